@@ -1,0 +1,182 @@
+"""`Traced`, `Lowered`, `Compiled`: jax's stage objects, taking and returning modules.
+
+Each wraps the ``jax.stages`` object of the flat call plus the `CallPlan` that
+turns module arguments into that flat call (pre-process, `_graph.split_call`) and
+its results back into modules (post-process, `_graph.merge_call`). jax's
+introspection passes through unchanged; ``args_info`` and ``out_info`` are given
+in the caller's structure, with each graph node as an ``nnx.State`` or an
+abstract module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from . import _errors
+from ._graph import TAG, CallPlan, Leaf, Site, merge_abstract, merge_call, split_call
+
+
+def _passthrough(name: str, stage: str) -> property:
+    def get(self: _Stage) -> Any:
+        return getattr(self._jax, name)
+
+    return property(get, doc=f"See `jax.stages.{stage}.{name}`.")
+
+
+def _differences(plan: CallPlan, expected: CallPlan) -> list[str]:
+    found = []
+    if plan.treedef != expected.treedef:
+        found.append(f"argument structure {plan.treedef} differs from {expected.treedef}")
+    for i, (a, b) in enumerate(zip(plan.graphdefs, expected.graphdefs, strict=False)):
+        if a != b:
+            found.append(f"the graph node at argument leaf #{i} has another structure")
+    if plan.statics != expected.statics:
+        found.append(f"static arguments {plan.statics!r} differ from {expected.statics!r}")
+    if plan.shardings != expected.shardings or plan.donate != expected.donate:
+        found.append("the shardings or donation of the arguments differ")
+    return found or ["the arguments differ from those the program was lowered for"]
+
+
+def _aval_differences(
+    leaves: Sequence[Leaf], sites: Sequence[Site], expected: Sequence[Any]
+) -> list[str]:
+    found = []
+    for leaf, label, aval in zip(leaves, sites, expected, strict=False):
+        shape, dtype = getattr(leaf, "shape", ()), getattr(leaf, "dtype", None)
+        if tuple(shape) != tuple(aval.shape) or (dtype is not None and dtype != aval.dtype):
+            found.append(
+                f"{label}: got {dtype}{list(shape)}, compiled for {aval.dtype}{list(aval.shape)}"
+            )
+    return found
+
+
+class _Stage:
+    """Common to the three stages: the jax object, the plan and the leaf labels."""
+
+    _STAGE = ""
+
+    def __init__(self, jax_stage: Any, plan: CallPlan, sites: Sequence[Site]):
+        self._jax = jax_stage
+        self._plan = plan
+        self._sites = tuple(sites)
+
+    @property
+    def args_info(self) -> Any:
+        """See `jax.stages.Stage.args_info`; graph nodes as ``nnx.State`` of ``ArgInfo``."""
+        donated, kept = self._jax.args_info[0]
+        infos = self._plan.join(donated, kept)
+        return _arrange(self._plan, self._sites, infos)
+
+    @property
+    def out_info(self) -> Any:
+        """See `jax.stages.Traced.out_info`; graph nodes as abstract modules."""
+        return merge_abstract(*self._jax.out_info)
+
+    in_tree = property(lambda self: self._jax.in_tree, doc="See `jax.stages.Stage.in_tree`.")
+    in_avals = property(lambda self: self._jax.in_avals, doc="See `jax.stages.Stage.in_avals`.")
+    out_tree = property(lambda self: self._jax.out_tree, doc="See `jax.stages.Stage.out_tree`.")
+    donate_argnums = property(
+        lambda self: self._jax.donate_argnums, doc="See `jax.stages.Stage.donate_argnums`."
+    )
+
+
+def _arrange(plan: CallPlan, sites: Sequence[Site], infos: Sequence[Any]) -> Any:
+    """Per-leaf values -> the caller's ``(args, kwargs)``; graph nodes become States."""
+    call_leaves, start = [], 0
+    for graphdef, size in zip(plan.graphdefs, plan.sizes, strict=True):
+        chunk, here = infos[start : start + size], sites[start : start + size]
+        if graphdef is None:
+            call_leaves.append(chunk[0])
+        else:
+            pairs = [(site.path, info) for site, info in zip(here, chunk, strict=True)]
+            call_leaves.append(nnx.from_flat_state(pairs))
+        start += size
+    return jax.tree_util.tree_unflatten(plan.treedef, call_leaves)
+
+
+class Traced(_Stage):
+    """A traced call; mirrors `jax.stages.Traced`."""
+
+    _STAGE = "Traced"
+    jaxpr = _passthrough("jaxpr", "Traced")
+    out_avals = _passthrough("out_avals", "Traced")
+    fun_name = _passthrough("fun_name", "Traced")
+    lojax = _passthrough("lojax", "Traced")
+
+    def lower(self, *, lowering_platforms: tuple[str, ...] | None = None) -> Lowered:
+        """See `jax.stages.Traced.lower`."""
+        return Lowered(
+            self._jax.lower(lowering_platforms=lowering_platforms), self._plan, self._sites
+        )
+
+
+class Lowered(_Stage):
+    """A lowered call; mirrors `jax.stages.Lowered`."""
+
+    _STAGE = "Lowered"
+
+    def as_text(self, dialect: str | None = None, *, debug_info: bool = False) -> str:
+        """See `jax.stages.Lowered.as_text`."""
+        return self._jax.as_text(dialect, debug_info=debug_info)
+
+    def compiler_ir(self, dialect: str | None = None) -> Any | None:
+        """See `jax.stages.Lowered.compiler_ir`."""
+        return self._jax.compiler_ir(dialect)
+
+    def cost_analysis(self) -> Any | None:
+        """See `jax.stages.Lowered.cost_analysis`."""
+        return self._jax.cost_analysis()
+
+    def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
+        """See `jax.stages.Lowered.compile`."""
+        return Compiled(self._jax.compile(compiler_options), self._plan, self._sites)
+
+
+class Compiled(_Stage):
+    """A compiled call; mirrors `jax.stages.Compiled`, called with modules."""
+
+    _STAGE = "Compiled"
+    input_shardings = _passthrough("input_shardings", "Compiled")
+    output_shardings = _passthrough("output_shardings", "Compiled")
+    input_formats = _passthrough("input_formats", "Compiled")
+    output_formats = _passthrough("output_formats", "Compiled")
+
+    def as_text(self) -> str | None:
+        """See `jax.stages.Compiled.as_text`."""
+        return self._jax.as_text()
+
+    def cost_analysis(self) -> Any | None:
+        """See `jax.stages.Compiled.cost_analysis`."""
+        return self._jax.cost_analysis()
+
+    def memory_analysis(self) -> Any | None:
+        """See `jax.stages.Compiled.memory_analysis`."""
+        return self._jax.memory_analysis()
+
+    def runtime_executable(self) -> Any | None:
+        """See `jax.stages.Compiled.runtime_executable`."""
+        return self._jax.runtime_executable()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the program on the same kinds of arguments as the `JitWrapped`."""
+        spec = self._plan.spec
+        with nnx.update_context(TAG):
+            plan, leaves, sites = split_call(spec, args, kwargs)
+            wrong = _differences(plan, self._plan) if plan != self._plan else []
+            donated, kept = plan.partition(leaves)
+            if not wrong:
+                wrong = _aval_differences(
+                    [*donated, *kept],
+                    [*plan.partition(sites)[0], *plan.partition(sites)[1]],
+                    jax.tree_util.tree_leaves(self._jax.in_avals),
+                )
+            if wrong:
+                raise TypeError(_errors.structure_mismatch(spec.transform, wrong))
+            return merge_call(*self._jax(donated, kept))
+
+    call = __call__
+

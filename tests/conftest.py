@@ -1,0 +1,6 @@
+"""Test set-up: 8 simulated CPU devices, configured before any backend starts."""
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
