@@ -6,6 +6,7 @@ A message names the transform and the argument, says what was found and where
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 
@@ -113,6 +114,21 @@ def bad_static(transform: str, argument: str, type_name: str, err: str) -> str:
     )
 
 
+def bad_shardings(transform: str, problems: Sequence[str], jax_message: str) -> str:
+    return format_message(
+        transform,
+        "in_shardings",
+        list(problems),
+        "Rule: a sharding must fit its array: one spec entry per dimension at most, mesh "
+        "axes that exist, and each sharded dimension divisible by its mesh axes' size. "
+        f"(jax said: {jax_message.splitlines()[0]})",
+        [
+            "change the filter or spec for these Variables (None or P() replicates them);",
+            "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
+        ],
+    )
+
+
 def structure_mismatch(transform: str, differences: Sequence[str]) -> str:
     return format_message(
         transform,
@@ -125,3 +141,17 @@ def structure_mismatch(transform: str, differences: Sequence[str]) -> str:
             "or lower and compile again with the new arguments.",
         ],
     )
+
+
+_FLAT_KEY = re.compile(r"\b(donated|kept)\[(\d+)\]")
+
+
+def name_leaves(message: str, donated: Sequence[object], kept: Sequence[object]) -> str:
+    """Replaces jax's flat key paths (``kept[3]``) by the caller's Variable paths."""
+    sites = {"donated": donated, "kept": kept}
+
+    def site(m: re.Match[str]) -> str:
+        group, index = sites[m.group(1)], int(m.group(2))
+        return str(group[index]) if index < len(group) else m.group(0)
+
+    return _FLAT_KEY.sub(site, message)

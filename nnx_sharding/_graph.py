@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, TypeAlias
 
 import jax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.tree_util import DictKey, SequenceKey, keystr
 
 from . import _errors
@@ -246,7 +247,11 @@ def split_outputs(
     entries = [None] * len(out_leaves)
     if plan.spec.out_shardings is not None:
         entries = broadcast_prefix(
-            transform, "out_shardings", plan.spec.out_shardings, out, lambda kp: f"output{keystr(kp)}"
+            transform,
+            "out_shardings",
+            plan.spec.out_shardings,
+            out,
+            lambda kp: f"output{keystr(kp)}",
         )
         check_leaf_entries(transform, "out_shardings", entries, out_leaves, wheres)
     out_table = variable_shardings(
@@ -304,6 +309,43 @@ def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
     inner.__name__ = getattr(fun, "__name__", "fun")
     inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
     return inner
+
+
+def call_flat(
+    fn: Callable[..., Any], plan: CallPlan, leaves: Sequence[Leaf], sites: Sequence[Site]
+) -> Any:
+    """Calls a jax-level function (jitted, traced or compiled) on the flat leaves.
+
+    jax's errors about one flat argument (``kept[3]``) are re-raised naming the
+    caller's argument and Variable path instead.
+    """
+    try:
+        return fn(*plan.partition(leaves))
+    except (ValueError, TypeError) as e:
+        message = _errors.name_leaves(str(e), *plan.partition(sites))
+        if message == str(e):
+            wrong = incompatible_shardings(leaves, plan.shardings, sites)
+            if not wrong:
+                raise
+            message = _errors.bad_shardings(plan.spec.transform, wrong, str(e))
+        raise type(e)(message).with_traceback(e.__traceback__) from None
+
+
+def incompatible_shardings(
+    leaves: Sequence[Leaf], shardings: Sequence[ShardingLike], sites: Sequence[Site]
+) -> list[str]:
+    """Every leaf whose shape its sharding cannot split, described for an error."""
+    found = []
+    for leaf, sharding, site in zip(leaves, shardings, sites, strict=True):
+        if sharding is None or not hasattr(leaf, "shape"):
+            continue
+        try:
+            if isinstance(sharding, PartitionSpec):
+                sharding = NamedSharding(jax.sharding.get_abstract_mesh(), sharding)
+            sharding.shard_shape(tuple(leaf.shape))
+        except Exception as e:  # noqa: BLE001 - jax raises several types here
+            found.append(f"{site}: shape {tuple(leaf.shape)} with {sharding}: {e}")
+    return found
 
 
 def merge_call(out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]) -> Any:

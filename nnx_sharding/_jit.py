@@ -10,7 +10,16 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from flax import nnx
 
-from ._graph import TAG, CallPlan, CallSpec, make_inner, merge_abstract, merge_call, split_call
+from ._graph import (
+    TAG,
+    CallPlan,
+    CallSpec,
+    call_flat,
+    make_inner,
+    merge_abstract,
+    merge_call,
+    split_call,
+)
 from ._stages import Lowered, Traced
 
 P = ParamSpec("P")
@@ -26,7 +35,9 @@ def _as_tuple(x: int | str | Iterable[Any] | None) -> tuple[Any, ...]:
 
 
 def resolve_argnums(
-    fun: Callable[..., Any], argnums: int | Sequence[int] | None, argnames: str | Iterable[str] | None
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] | None,
+    argnames: str | Iterable[str] | None,
 ) -> tuple[frozenset[int], frozenset[str]]:
     """Completes positions from names and names from positions, as ``jax.jit`` does."""
     nums, names = set(_as_tuple(argnums)), set(_as_tuple(argnames))
@@ -34,9 +45,7 @@ def resolve_argnums(
         params = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):
         return frozenset(nums), frozenset(names)
-    positional = [
-        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if any(p.kind is p.VAR_POSITIONAL for p in params) is False:
         nums = {n % len(positional) if n < 0 and positional else n for n in nums}
     nums |= {positional.index(n) for n in names if n in positional}
@@ -99,9 +108,8 @@ class JitWrapped(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         with nnx.update_context(TAG):
-            plan, leaves, _ = split_call(self._spec, (*self._bound, *args), kwargs)
-            out = self._jax_function(plan)(*plan.partition(leaves))
-            return merge_call(*out)
+            plan, leaves, sites = split_call(self._spec, (*self._bound, *args), kwargs)
+            return merge_call(*call_flat(self._jax_function(plan), plan, leaves, sites))
 
     def __get__(self, obj: Any, objtype: type | None = None) -> JitWrapped[P, R]:
         if obj is None:
@@ -115,7 +123,7 @@ class JitWrapped(Generic[P, R]):
         """Traces for these arguments; see `jax.stages.Traced`."""
         with nnx.update_context(TAG):
             plan, leaves, sites = split_call(self._spec, (*self._bound, *args), kwargs)
-            traced = self._jax_function(plan).trace(*plan.partition(leaves))
+            traced = call_flat(self._jax_function(plan).trace, plan, leaves, sites)
         return Traced(traced, plan, sites)
 
     def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered:
@@ -125,8 +133,8 @@ class JitWrapped(Generic[P, R]):
     def eval_shape(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         """The abstract outputs (modules included) of a call; changes no state."""
         with nnx.update_context(TAG):
-            plan, leaves, _ = split_call(self._spec, (*self._bound, *args), kwargs)
-            out = jax.eval_shape(self._jax_function(plan), *plan.partition(leaves))
+            plan, leaves, sites = split_call(self._spec, (*self._bound, *args), kwargs)
+            out = call_flat(self._jax_function(plan).eval_shape, plan, leaves, sites)
         return merge_abstract(*out)
 
 

@@ -124,7 +124,9 @@ class StateSharding:
         return hash((self.filters, self.shardings))
 
     def __repr__(self) -> str:
-        items = ", ".join(f"{_filter_repr(f)}: {s!r}" for f, s in zip(self.filters, self.shardings))
+        items = ", ".join(
+            f"{_filter_repr(f)}: {s!r}" for f, s in zip(self.filters, self.shardings, strict=True)
+        )
         return f"StateSharding({{{items}}})"
 
 
@@ -134,9 +136,7 @@ def _filter_repr(f: Filter) -> str:
 
 def format_path(path: Path) -> str:
     """``('layers', 0, 'kernel')`` -> ``.layers[0].kernel`` (the keystr style)."""
-    return "".join(
-        f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in path
-    )
+    return "".join(f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in path)
 
 
 def is_prefix_leaf(x: Any) -> bool:
@@ -178,7 +178,11 @@ def broadcast_prefix(
 
 
 def check_leaf_entries(
-    transform: str, argument: str, entries: Sequence[Any], leaves: Sequence[Any], paths: Sequence[str]
+    transform: str,
+    argument: str,
+    entries: Sequence[Any],
+    leaves: Sequence[Any],
+    paths: Sequence[str],
 ) -> None:
     """A StateSharding may only stand above graph nodes."""
     for entry, leaf, path in zip(entries, leaves, paths, strict=True):

@@ -17,7 +17,16 @@ import jax
 from flax import nnx
 
 from . import _errors
-from ._graph import TAG, CallPlan, Leaf, Site, merge_abstract, merge_call, split_call
+from ._graph import (
+    TAG,
+    CallPlan,
+    Leaf,
+    Site,
+    call_flat,
+    merge_abstract,
+    merge_call,
+    split_call,
+)
 
 
 def _passthrough(name: str, stage: str) -> property:
@@ -176,7 +185,6 @@ class Compiled(_Stage):
                 )
             if wrong:
                 raise TypeError(_errors.structure_mismatch(spec.transform, wrong))
-            return merge_call(*self._jax(donated, kept))
+            return merge_call(*call_flat(self._jax, plan, leaves, sites))
 
     call = __call__
-
