@@ -19,6 +19,7 @@ jax boundary in four steps, flax's ``update_context`` protocol (public API):
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
@@ -36,6 +37,7 @@ from ._sharding import (
     is_node,
     variable_shardings,
 )
+from ._snapshot import Snapshot, Uncacheable
 
 TAG = "nnx_sharding"
 Leaf: TypeAlias = Any
@@ -67,7 +69,7 @@ class CallSpec:
     out_shardings: Any = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=True)
 class CallPlan:
     """The static half of a split call; equal plans share one compiled program."""
 
@@ -78,6 +80,14 @@ class CallPlan:
     statics: tuple[tuple[int | str, Hashable], ...]
     donate: tuple[bool, ...]  # per flat leaf
     shardings: tuple[ShardingLike, ...]  # per flat leaf
+
+    def __hash__(self) -> int:  # graph definitions are slow to hash: once per plan
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", value)
+            return value
 
     def partition(self, leaves: Sequence[Leaf]) -> tuple[list[Leaf], list[Leaf]]:
         """Flat leaves -> (donated, kept): the two arguments of the jitted function."""
@@ -100,6 +110,28 @@ class OutPlan:
     out_treedef: jax.tree_util.PyTreeDef
     out_graphdefs: tuple[GraphDef, ...]
     out_sizes: tuple[int, ...]
+    # Set when the inputs kept their structure: the flat indices of the input leaves
+    # returned (changed or donated ones); the others are the inputs themselves.
+    in_changed: tuple[int, ...] | None
+    # Set when every output graph node is an input node: per output leaf, the index
+    # of that input among the call's graph nodes, or None for an array.
+    out_sources: tuple[int | None, ...] | None
+
+    @property
+    def fast(self) -> bool:
+        """Whether `_cache.Entry.merge` can stand in for `merge_call`."""
+        return self.in_changed is not None and self.out_sources is not None
+
+
+class NeedsTrace(Exception):
+    """Raised at trace time during a fast-path call (see `_cache`): redo it in full."""
+
+
+class _FastCall(threading.local):
+    active: bool = False
+
+
+FAST_CALL = _FastCall()
 
 
 def _where(keypath: tuple[Any, ...], positions: Sequence[int]) -> str:
@@ -120,15 +152,24 @@ def _value(leaf: Any) -> Leaf:
     return leaf.get_raw_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
-def split_call(
+def partition_args(
     spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[CallPlan, list[Leaf], list[Site]]:
-    """Step 1. Returns the plan, the flat leaves and the `Site` of each flat leaf."""
+) -> tuple[list[int], tuple[Any, ...], dict[str, Any], tuple[tuple[int | str, Hashable], ...]]:
+    """Positions of the dynamic args, the dynamic args and kwargs, the static ones."""
     positions = [i for i in range(len(args)) if i not in spec.static_argnums]
     dyn_args = tuple(args[i] for i in positions)
     dyn_kwargs = {k: v for k, v in kwargs.items() if k not in spec.static_argnames}
     statics = tuple((i, args[i]) for i in sorted(spec.static_argnums) if i < len(args))
     statics += tuple((k, kwargs[k]) for k in sorted(spec.static_argnames) if k in kwargs)
+    return positions, dyn_args, dyn_kwargs, statics
+
+
+def split_call(
+    spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[CallPlan, list[Leaf], list[Site], list[Any]]:
+    """Step 1. Returns the plan, the flat leaves, the `Site` of each flat leaf and the
+    object each flat leaf was read from (a Variable, or the array itself)."""
+    positions, dyn_args, dyn_kwargs, statics = partition_args(spec, args, kwargs)
     for key, value in statics:
         try:
             hash(value)
@@ -160,7 +201,7 @@ def split_call(
     donated_top = {SequenceKey(positions.index(i)) for i in spec.donate_argnums if i in positions}
     donated_top |= {DictKey(k) for k in spec.donate_argnames}
 
-    graphdefs, sizes, leaves, sites, donate, shardings = [], [], [], [], [], []
+    graphdefs, sizes, leaves, sites, donate, shardings, items = [], [], [], [], [], [], []
     with nnx.split_context(TAG) as ctx:
         for (kp, leaf), where, entry in zip(keyed, wheres, entries, strict=True):
             is_donated = len(kp) > 1 and kp[1] in donated_top
@@ -168,6 +209,7 @@ def split_call(
                 graphdef, flat = ctx.flatten(leaf)
                 graphdefs.append(graphdef)
                 sizes.append(len(flat.leaves))
+                items += flat.leaves
                 for path, item in zip(flat.paths, flat.leaves, strict=True):
                     leaves.append(_value(item))
                     sites.append(Site(where, tuple(path)))
@@ -177,13 +219,14 @@ def split_call(
                 graphdefs.append(None)
                 sizes.append(1)
                 leaves.append(leaf)
+                items.append(leaf)
                 sites.append(Site(where, None))
                 shardings.append(entry)
                 donate.append(is_donated)
     plan = CallPlan(
         spec, treedef, tuple(graphdefs), tuple(sizes), statics, tuple(donate), tuple(shardings)
     )
-    return plan, leaves, sites
+    return plan, leaves, sites, items
 
 
 def _chunks(leaves: Sequence[Leaf], sizes: Sequence[int]) -> list[Sequence[Leaf]]:
@@ -234,11 +277,17 @@ def inner_shardings(plan: CallPlan, call_leaves: Sequence[Any]) -> dict[int, Sha
 
 
 def split_outputs(
-    plan: CallPlan, call_leaves: Sequence[Any], in_table: dict[int, ShardingLike], out: Any
+    plan: CallPlan,
+    call_leaves: Sequence[Any],
+    in_leaves: Sequence[Leaf],
+    before: Snapshot | None,
+    in_table: dict[int, ShardingLike],
+    out: Any,
 ) -> tuple[OutPlan, list[Leaf], list[Leaf]]:
     """Step 3 (inside the trace): the updated inputs and the outputs, split together.
 
-    ``in_table`` holds the inputs' shardings, taken by `inner_shardings` before the call.
+    ``in_leaves`` are the leaves the inputs were merged from, ``before`` a snapshot
+    of their graphs and ``in_table`` their shardings, all taken before the call.
     """
     transform = plan.spec.transform
     keyed, out_treedef = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_node)
@@ -277,23 +326,47 @@ def split_outputs(
         return jax.lax.with_sharding_constraint(value, sharding)
 
     def split_all(leaves: Sequence[Any], entries: Sequence[ShardingLike]):
-        graphdefs, sizes, flat_leaves = [], [], []
+        graphdefs, sizes, values, flat_leaves = [], [], [], []
         for leaf, entry in zip(leaves, entries, strict=True):
             if is_node(leaf):
                 graphdef, flat = ctx.flatten(leaf)
                 graphdefs.append(graphdef)
                 sizes.append(len(flat.leaves))
+                values += [_value(item) for item in flat.leaves]
                 flat_leaves += [constrain(item, None) for item in flat.leaves]
             else:
                 graphdefs.append(None)
                 sizes.append(1)
+                values.append(leaf)
                 flat_leaves.append(constrain(leaf, entry))
-        return tuple(graphdefs), tuple(sizes), flat_leaves
+        return tuple(graphdefs), tuple(sizes), values, flat_leaves
 
     with nnx.split_context(TAG) as ctx:
-        in_graphdefs, in_sizes, in_flat = split_all(call_leaves, [None] * len(call_leaves))
-        out_graphdefs, out_sizes, out_flat = split_all(out_leaves, entries)
-    out_plan = OutPlan(in_graphdefs, in_sizes, out_treedef, out_graphdefs, out_sizes)
+        in_graphdefs, in_sizes, values, in_flat = split_all(call_leaves, [None] * len(call_leaves))
+        out_graphdefs, out_sizes, _, out_flat = split_all(out_leaves, entries)
+
+    in_changed = None
+    if before is not None and before.fresh():
+        is_state = [
+            g is not None
+            for g, size in zip(plan.graphdefs, plan.sizes, strict=True)
+            for _ in range(size)
+        ]
+        in_changed = tuple(
+            i
+            for i, (new, old) in enumerate(zip(values, in_leaves, strict=True))
+            if is_state[i] and (new is not old or plan.donate[i])
+        )
+        in_flat = [in_flat[i] for i in in_changed]
+    inputs = [leaf for leaf in call_leaves if is_node(leaf)]
+    sources = [
+        None if not is_node(leaf) else next((k for k, x in enumerate(inputs) if x is leaf), -1)
+        for leaf in out_leaves
+    ]
+    out_sources = None if -1 in sources else tuple(sources)
+    out_plan = OutPlan(
+        in_graphdefs, in_sizes, out_treedef, out_graphdefs, out_sizes, in_changed, out_sources
+    )
     return out_plan, in_flat, out_flat
 
 
@@ -301,10 +374,17 @@ def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
     """The function jax traces: steps 2 and 3 around ``fun``."""
 
     def inner(donated: list[Leaf], kept: list[Leaf]) -> tuple[OutPlan, list[Leaf], list[Leaf]]:
-        args, kwargs, call_leaves = merge_inputs(plan, plan.join(donated, kept))
+        if FAST_CALL.active:
+            raise NeedsTrace
+        leaves = plan.join(donated, kept)
+        args, kwargs, call_leaves = merge_inputs(plan, leaves)
         in_table = inner_shardings(plan, call_leaves)
+        try:
+            before = Snapshot([leaf for leaf in call_leaves if is_node(leaf)])
+        except Uncacheable:
+            before = None
         out = fun(*args, **kwargs)
-        return split_outputs(plan, call_leaves, in_table, out)
+        return split_outputs(plan, call_leaves, leaves, before, in_table, out)
 
     inner.__name__ = getattr(fun, "__name__", "fun")
     inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
@@ -348,16 +428,37 @@ def incompatible_shardings(
     return found
 
 
-def merge_call(out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]) -> Any:
-    """Step 4 (outside): write updates into the caller's objects, build the output."""
+def _full_inputs(
+    out_plan: OutPlan, leaves: Sequence[Leaf], in_flat: Sequence[Leaf]
+) -> Sequence[Leaf]:
+    if out_plan.in_changed is None:
+        return in_flat
+    full = list(leaves)
+    for i, value in zip(out_plan.in_changed, in_flat, strict=True):
+        full[i] = value
+    return full
+
+
+def merge_call(
+    leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
+) -> Any:
+    """Step 4 (outside): write updates into the caller's objects, build the output.
+
+    ``leaves`` are the flat leaves the call was made with.
+    """
+    in_flat = _full_inputs(out_plan, leaves, in_flat)
     with nnx.merge_context(TAG, inner=False) as ctx:
         _unflatten_all(ctx, out_plan.in_graphdefs, in_flat, out_plan.in_sizes)
         out_leaves = _unflatten_all(ctx, out_plan.out_graphdefs, out_flat, out_plan.out_sizes)
     return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
 
 
-def merge_abstract(out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]) -> Any:
+def merge_abstract(
+    leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
+) -> Any:
     """Like `merge_call` but into new objects: for abstract (shape-only) outputs."""
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]
+    in_flat = _full_inputs(out_plan, leaves, in_flat)
     with nnx.merge_context() as ctx:
         _unflatten_all(ctx, out_plan.in_graphdefs, in_flat, out_plan.in_sizes)
         out_leaves = _unflatten_all(ctx, out_plan.out_graphdefs, out_flat, out_plan.out_sizes)

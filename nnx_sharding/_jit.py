@@ -10,10 +10,13 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import jax
 from flax import nnx
 
+from ._cache import CacheKey, Entry, PlanState, fast_key, remember
 from ._graph import (
+    FAST_CALL,
     TAG,
     CallPlan,
     CallSpec,
+    NeedsTrace,
     call_flat,
     make_inner,
     merge_abstract,
@@ -90,26 +93,49 @@ class JitWrapped(Generic[P, R]):
             inline=inline,
             compiler_options=compiler_options,
         )
-        self._jitted: dict[CallPlan, Any] = {}
+        self._plans: dict[CallPlan, PlanState] = {}
+        self._entries: dict[CacheKey, Entry] = {}
         self._bound: tuple[Any, ...] = ()
 
     def _jax_function(self, plan: CallPlan) -> Any:
         """The ``jax.jit`` object for one plan; created once, then cached."""
-        jitted = self._jitted.get(plan)
-        if jitted is None:
+        return self._compiled(plan).jitted
+
+    def _compiled(self, plan: CallPlan) -> PlanState:
+        state = self._plans.get(plan)
+        if state is None:
             options: dict[str, Any] = {k: v for k, v in self._jit_options.items() if v}
             if any(s is not None for s in plan.shardings):
                 options["in_shardings"] = plan.partition(plan.shardings)
             if any(plan.donate):
                 options["donate_argnums"] = 0
-            jitted = jax.jit(make_inner(self.fun, plan), **options)
-            self._jitted[plan] = jitted
-        return jitted
+            state = PlanState(jax.jit(make_inner(self.fun, plan), **options))
+            self._plans[plan] = state
+        return state
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        args = (*self._bound, *args)
+        key, call_leaves, roots = fast_key(self._spec, args, kwargs)
+        entry = self._entries.get(key)
+        if entry is not None and entry.state.fast and entry.valid(roots):
+            leaves = entry.leaves(call_leaves)
+            FAST_CALL.active = True
+            try:
+                out = entry.state.jitted(*entry.plan.partition(leaves))
+            except NeedsTrace:
+                pass
+            else:
+                return entry.merge(*out)
+            finally:
+                FAST_CALL.active = False
         with nnx.update_context(TAG):
-            plan, leaves, sites = split_call(self._spec, (*self._bound, *args), kwargs)
-            return merge_call(*call_flat(self._jax_function(plan), plan, leaves, sites))
+            plan, leaves, sites, items = split_call(self._spec, args, kwargs)
+            out = call_flat(self._jax_function(plan), plan, leaves, sites)
+            result = merge_call(leaves, *out)
+        state = self._compiled(plan)
+        state.note(out[0])
+        remember(self._entries, key, plan, state, items, roots)
+        return result
 
     def __get__(self, obj: Any, objtype: type | None = None) -> JitWrapped[P, R]:
         if obj is None:
@@ -122,8 +148,9 @@ class JitWrapped(Generic[P, R]):
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> Traced:
         """Traces for these arguments; see `jax.stages.Traced`."""
         with nnx.update_context(TAG):
-            plan, leaves, sites = split_call(self._spec, (*self._bound, *args), kwargs)
+            plan, leaves, sites, _ = split_call(self._spec, (*self._bound, *args), kwargs)
             traced = call_flat(self._jax_function(plan).trace, plan, leaves, sites)
+        self._compiled(plan).note(traced.out_info[0])
         return Traced(traced, plan, sites)
 
     def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered:
@@ -133,9 +160,10 @@ class JitWrapped(Generic[P, R]):
     def eval_shape(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         """The abstract outputs (modules included) of a call; changes no state."""
         with nnx.update_context(TAG):
-            plan, leaves, sites = split_call(self._spec, (*self._bound, *args), kwargs)
+            plan, leaves, sites, _ = split_call(self._spec, (*self._bound, *args), kwargs)
             out = call_flat(self._jax_function(plan).eval_shape, plan, leaves, sites)
-        return merge_abstract(*out)
+        self._compiled(plan).note(out[0])
+        return merge_abstract(leaves, *out)
 
 
 @overload

@@ -83,7 +83,10 @@ class _Stage:
     @property
     def out_info(self) -> Any:
         """See `jax.stages.Traced.out_info`; graph nodes as abstract modules."""
-        return merge_abstract(*self._jax.out_info)
+        avals = jax.tree_util.tree_leaves(self._jax.in_avals)
+        n_donated = sum(self._plan.donate)
+        leaves = self._plan.join(avals[:n_donated], avals[n_donated:])
+        return merge_abstract(leaves, *self._jax.out_info)
 
     in_tree = property(lambda self: self._jax.in_tree, doc="See `jax.stages.Stage.in_tree`.")
     in_avals = property(lambda self: self._jax.in_avals, doc="See `jax.stages.Stage.in_avals`.")
@@ -174,7 +177,7 @@ class Compiled(_Stage):
         """Runs the program on the same kinds of arguments as the `JitWrapped`."""
         spec = self._plan.spec
         with nnx.update_context(TAG):
-            plan, leaves, sites = split_call(spec, args, kwargs)
+            plan, leaves, sites, _ = split_call(spec, args, kwargs)
             wrong = _differences(plan, self._plan) if plan != self._plan else []
             donated, kept = plan.partition(leaves)
             if not wrong:
@@ -185,6 +188,6 @@ class Compiled(_Stage):
                 )
             if wrong:
                 raise TypeError(_errors.structure_mismatch(spec.transform, wrong))
-            return merge_call(*call_flat(self._jax, plan, leaves, sites))
+            return merge_call(leaves, *call_flat(self._jax, plan, leaves, sites))
 
     call = __call__

@@ -1,0 +1,134 @@
+"""The fast path: reuse a call's split while its module graphs stay unchanged.
+
+The full protocol (`_graph`) walks every object graph twice per call. When the
+same modules come back with the same structure, the split is known already: the
+flat list of Variables, the plan and the jitted function. An `Entry` keeps them,
+with a `Snapshot` that proves "unchanged" at C speed: the identity of every value
+in every mutable container (module ``__dict__``, lists, dicts, States) of the graphs.
+
+A call takes the fast path only when the trace that jax will reuse reported no
+structure change (`OutPlan.fast`). Should jax need a new trace during a fast call
+(new shapes, say), the inner function raises `NeedsTrace` before anything runs
+and the call is redone on the full protocol.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ._graph import CallPlan, CallSpec, Leaf, OutPlan, partition_args
+from ._sharding import is_node
+from ._snapshot import Snapshot, Uncacheable
+
+MAX_ENTRIES = 64
+"""Cached splits per transform; an entry also goes when one of its modules dies."""
+CacheKey = tuple[Any, ...]
+
+
+class PlanState:
+    """One plan's ``jax.jit`` function, and whether all its traces allow the fast path."""
+
+    def __init__(self, jitted: Callable[..., Any]):
+        self.jitted = jitted
+        self.fast = True
+
+    def note(self, out_plan: OutPlan) -> None:
+        """Called with every trace's `OutPlan`: one that changed structure ends it."""
+        self.fast = self.fast and out_plan.fast
+
+
+def fast_key(
+    spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[CacheKey | None, list[Any], list[Any]]:
+    """The cache key of a call (None: not cacheable), its leaves and its graph nodes."""
+    _, dyn_args, dyn_kwargs, statics = partition_args(spec, args, kwargs)
+    call_leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs), is_leaf=is_node)
+    roots = [leaf for leaf in call_leaves if is_node(leaf)]
+    key: CacheKey | None = (treedef, tuple(map(id, roots)), statics)
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    return key, call_leaves, roots
+
+
+def remember(
+    entries: dict[CacheKey, Entry],
+    key: CacheKey | None,
+    plan: CallPlan,
+    state: PlanState,
+    items: list[Any],
+    roots: list[Any],
+) -> None:
+    """Caches a call's split (``items`` from `_graph.split_call`), if it can be."""
+    if key is None:
+        return
+    slots, offset = [], 0
+    for graphdef, size in zip(plan.graphdefs, plan.sizes, strict=True):
+        slots.append(offset if graphdef is None else None)
+        offset += size
+    try:
+        entry = Entry(plan, state, items, slots, roots, lambda _: entries.pop(key, None))
+    except (Uncacheable, TypeError):  # TypeError: a root that takes no weak reference
+        return
+    entries.pop(key, None)
+    entries[key] = entry
+    while len(entries) > MAX_ENTRIES:
+        entries.pop(next(iter(entries)))
+
+
+class Entry:
+    """A cached split: what `_graph.split_call` would return, minus the walk."""
+
+    def __init__(
+        self,
+        plan: CallPlan,
+        state: PlanState,
+        items: list[Any],
+        call_slots: list[int | None],
+        roots: list[Any],
+        on_death: Callable[[Any], None],
+    ):
+        self.plan = plan
+        self.state = state
+        self.items = items
+        self.snapshot = Snapshot(roots)
+        self.roots = [weakref.ref(r, on_death) for r in roots]
+        self.template: list[Leaf] = [None if isinstance(x, nnx.Variable) else x for x in items]
+        self.variable_slots = [i for i, x in enumerate(items) if isinstance(x, nnx.Variable)]
+        self.variables = [items[i] for i in self.variable_slots]
+        self.call_slots = call_slots  # per call leaf: flat index of an array leaf, or None
+
+    def valid(self, roots: list[Any]) -> bool:
+        """Same objects as when cached, with the same structure."""
+        return (
+            all(ref() is root for ref, root in zip(self.roots, roots, strict=True))
+            and self.snapshot.fresh()
+        )
+
+    def leaves(self, call_leaves: list[Any]) -> list[Leaf]:
+        """The flat leaves of this call: current Variable values, current arrays."""
+        leaves = self.template.copy()
+        for i, variable in zip(self.variable_slots, self.variables, strict=True):
+            leaves[i] = variable.get_raw_value()
+        for slot, leaf in zip(self.call_slots, call_leaves, strict=True):
+            if slot is not None:
+                leaves[slot] = leaf
+        return leaves
+
+    def merge(self, out_plan: OutPlan, changed: list[Leaf], out_flat: list[Leaf]) -> Any:
+        """Writes the changed Variables back and builds the output."""
+        assert out_plan.in_changed is not None and out_plan.out_sources is not None
+        for i, value in zip(out_plan.in_changed, changed, strict=True):
+            self.items[i].set_raw_value(value)
+        out_flat = iter(out_flat)
+        roots = [ref() for ref in self.roots]
+        out_leaves = [
+            next(out_flat) if source is None else roots[source] for source in out_plan.out_sources
+        ]
+        return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)

@@ -1,0 +1,59 @@
+"""`Snapshot`: proof, at C speed, that object graphs kept their structure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, MutableSequence
+from itertools import chain
+from operator import is_
+from typing import Any
+
+from flax import nnx
+from flax.nnx import graph as nnx_graph
+
+
+class Uncacheable(Exception):
+    """A graph holds a mutable container whose changes cannot be seen cheaply."""
+
+
+BOOKKEEPING = frozenset({"_pytree__state"})
+"""Module attributes flax replaces on its own (its trace state), not structure."""
+
+
+class Snapshot:
+    """Identity of every value in every mutable container below ``roots``."""
+
+    def __init__(self, roots: Any):
+        self._dicts: list[dict[Any, Any]] = []
+        self._others: list[Any] = []
+        for _, obj in nnx.iter_graph(roots):
+            if isinstance(obj, nnx.Variable) or not nnx_graph.is_node(obj):
+                continue
+            if isinstance(obj, nnx.Pytree):
+                self._dicts.append(vars(obj))
+            elif type(obj) is dict:
+                self._dicts.append(obj)
+            elif isinstance(obj, (MutableMapping, MutableSequence)):
+                self._others.append(obj)
+            elif nnx_graph.is_graph_node(obj):
+                raise Uncacheable(type(obj).__name__)
+        self._skip: list[int] = []
+        self._keys, self._values = self._read()
+        self._skip = [i for i, key in enumerate(self._keys) if key in BOOKKEEPING]
+        for i in self._skip:
+            self._values[i] = None
+
+    def _read(self) -> tuple[list[Any], list[Any]]:
+        keys = [*chain.from_iterable(self._dicts)]
+        values = [*chain.from_iterable(map(dict.values, self._dicts))]
+        for i in self._skip:
+            values[i] = None
+        for obj in self._others:
+            items = list(obj.items()) if isinstance(obj, Mapping) else list(enumerate(obj))
+            keys += [k for k, _ in items]
+            values += [v for _, v in items]
+        return keys, values
+
+    def fresh(self) -> bool:
+        """True when no container gained, lost or replaced a value since the snapshot."""
+        keys, values = self._read()
+        return keys == self._keys and all(map(is_, values, self._values))
