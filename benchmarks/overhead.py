@@ -1,10 +1,8 @@
 """Per-call overhead of lifted jit for Flax NNX, against a flat `jax.jit` floor.
 
-What is measured
-----------------
 Two steps -- a no-op that only bumps a counter, and an SGD train step -- on the MLP of Flax's
-graph-overhead benchmark (width 32, BatchNorm in every block) at several depths, each run through
-seven implementations in one process:
+graph-overhead benchmark (width 32, BatchNorm in every block) at several depths, each run in one
+process through these implementations:
 
   nnx_sharding.jit        this package (n/a while it cannot be imported or fails)
   nnx.jit (graph)         flax.nnx.jit in graph mode (the default)
@@ -28,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import gc
 import importlib
 import importlib.metadata
 import inspect
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax import Array
 from rich.console import Console
 from rich.table import Table
 
@@ -55,13 +55,13 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK_S = 0.2  # target duration of one timed block when --calls is not given
 
 
-# ---------------------------------------------------------------------------- model and steps
+# ----------------------------------------------------------------------------- model and steps
 class Linear(nnx.Module):
     def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
         self.w = nnx.Param(jax.random.uniform(rngs.params(), (din, dout)))
         self.b = nnx.Param(jnp.zeros((dout,)))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: Array) -> Array:
         return x @ self.w + self.b
 
 
@@ -70,7 +70,7 @@ class Block(nnx.Module):
         self.linear = Linear(din, dout, rngs=rngs)
         self.bn = nnx.BatchNorm(dout, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: Array) -> Array:
         return nnx.relu(self.bn(self.linear(x)))
 
 
@@ -82,10 +82,12 @@ class MLP(nnx.Module):
     def __init__(self, din: int, dhidden: int, dout: int, depth: int, *, rngs: nnx.Rngs):
         self.count = Count(jnp.array(0))
         self.linear_in = Block(din, dhidden, rngs=rngs)
-        self.intermediates = nnx.List([Block(dhidden, dhidden, rngs=rngs) for _ in range(depth - 2)])
+        self.intermediates = nnx.List(
+            [Block(dhidden, dhidden, rngs=rngs) for _ in range(depth - 2)]
+        )
         self.linear_out = Block(dhidden, dout, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: Array) -> Array:
         self.count[...] += 1
         x = nnx.relu(self.linear_in(x))
         for layer in self.intermediates:
@@ -98,22 +100,19 @@ def make_model(depth: int) -> tuple[MLP, nnx.Optimizer]:
     return model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
 
 
-def noop_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> None:
+def noop_step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> None:
     model.count[...] += 1
 
 
-def train_step(model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array) -> jax.Array:
-    def loss_fn(model: MLP) -> jax.Array:
-        return jnp.mean((model(x) - y) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
+def train_step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
+    loss, grads = nnx.value_and_grad(lambda model: jnp.mean((model(x) - y) ** 2))(model)
     optimizer.update(model, grads)
     return loss
 
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    fn: Callable[[MLP, nnx.Optimizer, jax.Array, jax.Array], Any]
+    fn: Callable[[MLP, nnx.Optimizer, Array, Array], Any]
     changes: type[nnx.Variable]  # the Variables the step updates: what floor (b) returns
     floor: str  # the variant the ratios are taken against
 
@@ -124,22 +123,29 @@ STEPS = {
 }
 
 
-# ---------------------------------------------------------------------------- variants
+# ----------------------------------------------------------------------------- variants
 @dataclasses.dataclass(frozen=True)
 class Bench:
     call: Callable[[], Any]  # runs one step, returns its output
     sync: Callable[[], Any]  # the state to block on at the end of a timed block
 
 
-Variant = Callable[[StepSpec, MLP, nnx.Optimizer, jax.Array, jax.Array], Bench]
+Variant = Callable[[StepSpec, MLP, nnx.Optimizer, Array, Array], Bench]
+JitFn = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def lifted(jit: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Variant:
-    """A lifted jit, called as f(model, optimizer, x, y), that updates the objects in place."""
+def lifted(jit: JitFn, *, partial: bool = False) -> Variant:
+    """A lifted jit updating model and optimizer in place: f(model, opt, x, y), or with
+    partial=True nnx.cached_partial(f, model, opt)(x, y)."""
 
-    def make(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Bench:
+    def make(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: Array, y: Array) -> Bench:
         f = jit(spec.fn)
-        return Bench(lambda: f(model, opt, x, y), lambda: nnx.state((model, opt)))
+        if partial:
+            f_xy = nnx.cached_partial(f, model, opt)
+            call = lambda: f_xy(x, y)
+        else:
+            call = lambda: f(model, opt, x, y)
+        return Bench(call, lambda: nnx.state((model, opt)))
 
     return make
 
@@ -156,11 +162,6 @@ def tree_mode_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
     return nnx.jit(fn, graph=False)
 
 
-def cached_partial(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Bench:
-    f = nnx.cached_partial(nnx.jit(spec.fn), model, opt)
-    return Bench(lambda: f(x, y), lambda: nnx.state((model, opt)))
-
-
 def carried(fn: Callable[..., tuple[Any, Any]], carry: Any, *args: Any) -> Bench:
     """A Python loop threading `carry` through a pure fn(carry, *args) -> (carry, out)."""
     box = [carry]
@@ -172,11 +173,11 @@ def carried(fn: Callable[..., tuple[Any, Any]], carry: Any, *args: Any) -> Bench
     return Bench(call, lambda: box[0])
 
 
-def functional(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Bench:
+def functional(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: Array, y: Array) -> Bench:
     graphdef, state = nnx.split((model, opt))
 
     @jax.jit
-    def fn(state: nnx.State, x: jax.Array, y: jax.Array) -> tuple[nnx.State, Any]:
+    def fn(state: nnx.State, x: Array, y: Array) -> tuple[nnx.State, Any]:
         model, opt = nnx.merge(graphdef, state)
         out = spec.fn(model, opt, x, y)
         return nnx.split((model, opt))[1], out
@@ -185,22 +186,22 @@ def functional(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: jax.Array, y: 
 
 
 def flat(*, donate: bool, only_changed: bool) -> Variant:
-    """jax.jit over the flat list of arrays: the floor for a given step.
+    """jax.jit over the flat list of arrays. The arrays the step changes (all of them unless
+    only_changed) are carried by the loop, optionally donated; the rest are passed every call."""
 
-    The arrays are split into the ones the step changes (carried, optionally donated) and the
-    others (passed unchanged every call); with only_changed=False every array is carried.
-    """
-
-    def make(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: jax.Array, y: jax.Array) -> Bench:
+    def make(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: Array, y: Array) -> Bench:
         graphdef, state = nnx.split((model, opt))
         leaves, treedef = jax.tree.flatten(state)
-        is_var = lambda v: isinstance(v, nnx.Variable)
         keep = jax.tree.leaves(
-            jax.tree.map(lambda v: not only_changed or isinstance(v, spec.changes), state, is_leaf=is_var)
+            jax.tree.map(
+                lambda v: not only_changed or isinstance(v, spec.changes),
+                state,
+                is_leaf=lambda v: isinstance(v, nnx.Variable),
+            )
         )
         assert len(keep) == len(leaves), "expected one array per Variable"
 
-        def fn(changed: list[jax.Array], fixed: list[jax.Array], x: jax.Array, y: jax.Array):
+        def fn(changed: list[Array], fixed: list[Array], x: Array, y: Array):
             changed_it, fixed_it = iter(changed), iter(fixed)
             leaves = [next(changed_it) if k else next(fixed_it) for k in keep]
             model, opt = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
@@ -220,15 +221,15 @@ VARIANTS: dict[str, Variant] = {
     "nnx_sharding.jit": lifted(nnx_sharding_jit),
     "nnx.jit (graph)": lifted(nnx.jit),
     "nnx.jit (graph=False)": lifted(tree_mode_jit),
-    "nnx.cached_partial": cached_partial,
+    "nnx.cached_partial": lifted(nnx.jit, partial=True),
     "functional jax.jit": functional,
     "floor (a)": flat(donate=True, only_changed=False),
     "floor (b)": flat(donate=False, only_changed=True),
 }
 
 
-# ---------------------------------------------------------------------------- timing
-def per_call_us(bench: Bench, *, blocks: int, calls: int | None, block_s: float, warmup: int) -> float:
+# ----------------------------------------------------------------------------- timing
+def per_call_us(bench: Bench, blocks: int, calls: int | None, block_s: float, warmup: int) -> float:
     """Median over `blocks` of the mean per-call time of `calls` back-to-back calls."""
 
     def run(n: int) -> float:
@@ -245,70 +246,74 @@ def per_call_us(bench: Bench, *, blocks: int, calls: int | None, block_s: float,
     return 1e6 * statistics.median(run(calls) for _ in range(blocks))
 
 
-def first_call_s(variant: Variant, spec: StepSpec, depth: int, x: jax.Array, y: jax.Array) -> float:
+def time_variant(
+    make: Variant, spec: StepSpec, depth: int, x: Array, y: Array, **timing: Any
+) -> float:
+    return per_call_us(make(spec, *make_model(depth), x, y), **timing)
+
+
+def first_call_s(make: Variant, spec: StepSpec, depth: int, x: Array, y: Array) -> float:
     """Trace + compile + run of the first call, on a fresh model and a fresh step function."""
     fresh = dataclasses.replace(spec, fn=lambda *args: spec.fn(*args))  # defeat per-function caches
-    bench = variant(fresh, *make_model(depth), x, y)
+    bench = make(fresh, *make_model(depth), x, y)
+    gc.collect()
     t0 = time.perf_counter()
     jax.block_until_ready((bench.call(), bench.sync()))
     return time.perf_counter() - t0
 
 
-def attempt(what: str, measure: Callable[[], float]) -> dict[str, Any]:
+def attempt(what: str, measure: Callable[[], float]) -> tuple[float | None, str | None]:
+    """measure(), or (None, reason): an unfinished or incompatible variant becomes n/a."""
     try:
-        return {"value": measure(), "error": None}
-    except Exception as e:  # noqa: BLE001 -- an unfinished or incompatible variant becomes n/a
+        return measure(), None
+    except Exception as e:
         reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
         console.print(f"[yellow]{what} failed: {reason}")
-        return {"value": None, "error": reason}
+        return None, reason
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-# ---------------------------------------------------------------------------- reporting
+# ----------------------------------------------------------------------------- reporting
 def machine_info() -> dict[str, Any]:
     try:
         ours = importlib.metadata.version("nnx_sharding")
     except importlib.metadata.PackageNotFoundError:
         ours = None
     device = jax.devices()[0]
-    return {
-        "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-        "nnx_sharding": ours, "python": platform.python_version(),
-        "platform": device.platform, "device_kind": device.device_kind,
-        "device_count": jax.device_count(), "cpu_count": os.cpu_count(),
-        "nnx_graph_mode_default": bool(flax.config.nnx_graph_mode),
-    }  # fmt: skip
+    info = {m.__name__: m.__version__ for m in (jax, flax, optax)} | {"nnx_sharding": ours}
+    info |= {"platform": device.platform, "device_kind": device.device_kind}
+    info |= {"device_count": jax.device_count(), "cpu_count": os.cpu_count()}
+    return info | {"nnx_graph_mode_default": bool(flax.config.nnx_graph_mode)}
 
 
-def cell(us: float | None, r: float | None) -> str:
-    if us is None:
-        return "n/a"
-    return f"{us:,.0f} µs ({r:.1f}×)" if us >= 100 else f"{us:.1f} µs ({r:.1f}×)"
+CellFormat = Callable[[dict[str, Any]], str]
 
 
-def print_tables(steps: dict[str, Any], first: dict[str, Any], depths: list[int]) -> None:
-    for name, spec in STEPS.items():
-        table = Table(title=f"{name} step: time per call (ratio × {spec.floor})")
-        table.add_column("variant")
-        for d in depths:
-            table.add_column(f"depth {d}", justify="right")
-        for variant, by_depth in steps[name].items():
-            table.add_row(variant, *(cell(by_depth[str(d)]["us"], by_depth[str(d)]["ratio"]) for d in depths))
-        console.print(table)
-    table = Table(title="first call (trace + compile): nnx_sharding.jit / functional jax.jit")
-    table.add_column("step")
+def show(value: float | None, spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def per_call_cell(c: dict[str, Any]) -> str:
+    us = show(c["us"], ",.0f" if (c["us"] or 0) >= 100 else ".1f", " µs")
+    return f"{us} ({show(c['ratio'], '.1f', '×')})"
+
+
+def first_call_cell(c: dict[str, Any]) -> str:
+    ours, base = show(c["nnx_sharding_s"], ".2f", " s"), show(c["functional_s"], ".2f", " s")
+    return f"{ours} / {base} ({show(c['ratio'], '.2f', '×')})"
+
+
+def print_table(title: str, rows: dict[str, Any], depths: list[int], cell: CellFormat) -> None:
+    table = Table(title=title)
+    table.add_column("")
     for d in depths:
         table.add_column(f"depth {d}", justify="right")
-    for name in STEPS:
-        row = [first[name][str(d)] for d in depths]
-        table.add_row(name, *(
-            "n/a" if c["ratio"] is None
-            else f"{c['nnx_sharding_s']:.2f} s / {c['functional_s']:.2f} s ({c['ratio']:.2f}×)"
-            for c in row
-        ))  # fmt: skip
+    for name, by_depth in rows.items():
+        cells = [by_depth[str(d)] for d in depths]
+        table.add_row(name, *map(cell, cells))
     console.print(table)
 
 
@@ -318,25 +323,29 @@ def plot(steps: dict[str, Any], depths: list[int], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(STEPS), figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, len(STEPS), figsize=(12, 5))
     for ax, name in zip(axes, STEPS, strict=True):
         for variant, by_depth in steps[name].items():
-            points = [(d, by_depth[str(d)]["us"]) for d in depths if by_depth[str(d)]["us"] is not None]
+            points = [(d, c["us"]) for d in depths if (c := by_depth[str(d)])["us"] is not None]
             if points:
                 style = "--" if variant.startswith("floor") else "-"
                 ax.plot(*zip(*points, strict=True), style, marker="o", label=variant)
-        ax.set(title=f"{name} step", xlabel="depth", ylabel="µs per call", xscale="log", yscale="log")
+        ax.set(title=f"{name} step", xlabel="depth", ylabel="µs per call")
+        ax.set(xscale="log", yscale="log")
         ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set_xticks([], minor=True)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=9)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- main
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--depths", default="5,20,100", help="comma-separated MLP depths")
     parser.add_argument("--blocks", type=int, default=7, help="timed blocks per measurement")
     parser.add_argument("--calls", type=int, default=None, help="calls per block (default: ~0.2 s)")
@@ -348,11 +357,10 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     blocks, block_s = (min(args.blocks, 3), BLOCK_S / 10) if args.quick else (args.blocks, BLOCK_S)
     timing = dict(blocks=blocks, calls=args.calls, block_s=block_s, warmup=max(args.warmup, 3))
-
     machine = machine_info()
     console.print(machine)
-    # Device data, so that no variant pays a host-to-device copy per call.
-    x_np = np.linspace(0, 1, 100)[:, None]
+
+    x_np = np.linspace(0, 1, 100)[:, None]  # on the device once: no per-call host-to-device copy
     x, y = jnp.asarray(x_np), jnp.asarray(0.8 * x_np**2 + 0.1)
     for spec in STEPS.values():  # keep one-time JAX/XLA start-up out of the first-call numbers
         first_call_s(VARIANTS["functional jax.jit"], spec, min(depths), x, y)
@@ -361,38 +369,48 @@ def main() -> None:
     first: dict[str, Any] = {name: {} for name in STEPS}
     for depth in depths:
         for name, spec in STEPS.items():
-            # First-call times before anything else compiles this step at this depth.
-            ours, base = (
-                attempt(f"first call {v}, {name}, depth {depth}",
-                        lambda v=v: first_call_s(VARIANTS[v], spec, depth, x, y))
+            # First calls before anything else compiles this step at this depth.
+            (ours, err), (base, base_err) = (
+                attempt(
+                    f"first call of {v} ({name}, depth {depth})",
+                    functools.partial(first_call_s, VARIANTS[v], spec, depth, x, y),
+                )
                 for v in ("nnx_sharding.jit", "functional jax.jit")
-            )  # fmt: skip
+            )
             first[name][str(depth)] = {
-                "nnx_sharding_s": ours["value"], "functional_s": base["value"],
-                "ratio": ratio(ours["value"], base["value"]), "error": ours["error"] or base["error"],
-            }  # fmt: skip
+                "nnx_sharding_s": ours,
+                "functional_s": base,
+                "ratio": ratio(ours, base),
+                "error": err or base_err,
+            }
             for variant, make in VARIANTS.items():
-                r = attempt(f"{variant}, {name}, depth {depth}",
-                            lambda make=make: per_call_us(make(spec, *make_model(depth), x, y), **timing))  # fmt: skip
-                steps[name][variant][str(depth)] = {"us": r["value"], "error": r["error"]}
-                us = "n/a" if r["value"] is None else f"{r['value']:,.1f} µs"
-                console.print(f"depth {depth:>4}  {name:<6} {variant:<24} {us:>14}")
-            floor_us = steps[name][spec.floor][str(depth)]["us"]
-            for by_depth in steps[name].values():
-                by_depth[str(depth)]["ratio"] = ratio(by_depth[str(depth)]["us"], floor_us)
+                us, err = attempt(
+                    f"{variant} ({name}, depth {depth})",
+                    functools.partial(time_variant, make, spec, depth, x, y, **timing),
+                )
+                steps[name][variant][str(depth)] = {"us": us, "error": err}
+                shown = "n/a" if us is None else f"{us:,.1f} µs"
+                console.print(f"depth {depth:>4}  {name:<6} {variant:<24} {shown:>14}")
+            for cell in (by_depth[str(depth)] for by_depth in steps[name].values()):
+                cell["ratio"] = ratio(cell["us"], steps[name][spec.floor][str(depth)]["us"])
 
-    print_tables(steps, first, depths)
+    for name, spec in STEPS.items():
+        title = f"{name} step: time per call (ratio × {spec.floor})"
+        print_table(title, steps[name], depths, per_call_cell)
+    title = "first call, trace + compile: nnx_sharding.jit / functional jax.jit (ratio)"
+    print_table(title, first, depths, first_call_cell)
+
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "overhead" + (f"-{args.tag}" if args.tag else "")
+    stem = args.out / ("overhead" + (f"-{args.tag}" if args.tag else ""))
     report = {
         "machine": machine,
         "settings": {"depths": depths, "quick": args.quick, **timing},
-        "steps": {name: {"floor": STEPS[name].floor, "variants": steps[name]} for name in STEPS},
+        "steps": {n: {"floor": s.floor, "variants": steps[n]} for n, s in STEPS.items()},
         "first_call": first,
     }
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(steps, depths, args.out / f"{stem}.png")
-    console.print(f"wrote {args.out / stem}.json and .png")
+    Path(f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(steps, depths, Path(f"{stem}.png"))
+    console.print(f"wrote {stem}.json and {stem}.png")
 
 
 if __name__ == "__main__":

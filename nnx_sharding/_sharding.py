@@ -67,9 +67,9 @@ class StateSharding:
     >>> from jax.sharding import PartitionSpec as P
     >>> s = StateSharding({nnx.Param: P(None, 'model'), ...: None})
     >>> s
-    StateSharding({Param: PartitionSpec(None, 'model'), Ellipsis: None})
+    StateSharding({Param: P(None, 'model'), Ellipsis: None})
     >>> s.sharding_for(('linear', 'kernel'), nnx.Param(1.0))
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     """
 
     __slots__ = ("filters", "shardings", "_predicates")
