@@ -97,7 +97,7 @@ class Entry:
         self.plan = plan
         self.state = state
         self.items = items
-        self.snapshot = Snapshot(roots)
+        self.snapshot = Snapshot(tuple(roots))
         self.roots = [weakref.ref(r, on_death) for r in roots]
         self.template: list[Leaf] = [None if isinstance(x, nnx.Variable) else x for x in items]
         self.variable_slots = [i for i, x in enumerate(items) if isinstance(x, nnx.Variable)]

@@ -380,7 +380,7 @@ def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
         args, kwargs, call_leaves = merge_inputs(plan, leaves)
         in_table = inner_shardings(plan, call_leaves)
         try:
-            before = Snapshot([leaf for leaf in call_leaves if is_node(leaf)])
+            before = Snapshot(tuple(leaf for leaf in call_leaves if is_node(leaf)))
         except Uncacheable:
             before = None
         out = fun(*args, **kwargs)

@@ -1,0 +1,136 @@
+"""The fast path (`_cache`): cached splits must never serve a stale graph."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import nnx_sharding
+
+
+class Block(nnx.Module):
+    def __init__(self, din: int, dout: int, seed: int):
+        self.linear = nnx.Linear(din, dout, rngs=nnx.Rngs(seed))
+        self.bn = nnx.BatchNorm(dout, rngs=nnx.Rngs(seed))
+
+    def __call__(self, x):
+        return nnx.relu(self.bn(self.linear(x)))
+
+
+class Model(nnx.Module):
+    def __init__(self):
+        self.count = nnx.BatchStat(jnp.array(0))
+        self.first = Block(2, 4, 0)
+        self.layers = nnx.List([Block(4, 4, 1)])
+
+    def __call__(self, x):
+        self.count[...] += 1
+        x = self.first(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+X = jnp.linspace(0.0, 1.0, 6).reshape(3, 2)
+
+
+@nnx_sharding.jit
+def forward(model, x):
+    return model(x)
+
+
+@nnx_sharding.jit
+def bump_bias(model):
+    model.first.linear.bias[...] += 1.0
+
+
+def _replace_attribute(model):
+    model.first = Block(2, 4, 7)
+
+
+def _swap_variable(model):
+    model.first.linear.kernel = nnx.Param(jnp.full((2, 4), 0.5))
+
+
+def _append_layer(model):
+    model.layers.append(Block(4, 4, 3))
+
+
+def _set_value(model):
+    model.first.linear.bias[...] = jnp.full((4,), 2.0)
+
+
+def _other_jit(model):
+    bump_bias(model)
+
+
+@pytest.mark.parametrize(
+    "change", [_replace_attribute, _swap_variable, _append_layer, _set_value, _other_jit]
+)
+def test_change_between_calls_is_seen(change):
+    model = Model()
+    for _ in range(3):  # warm the cache: later calls take the fast path
+        forward(model, X)
+    change(model)
+    # reference: the same program on a copy, through a fresh jit (no cache)
+    reference = nnx.clone(model)
+    expected = nnx_sharding.jit(lambda m, x: m(x))(reference, X)
+    np.testing.assert_array_equal(forward(model, X), expected)
+    assert int(model.count[...]) == int(reference.count[...]) == 4
+    np.testing.assert_array_equal(model.first.bn.mean[...], reference.first.bn.mean[...])
+
+
+def test_fast_path_keeps_updating_the_callers_variables():
+    model, reference = Model(), Model()
+    for _ in range(5):
+        out = forward(model, X)
+        expected = reference(X)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert int(model.count[...]) == 5
+    np.testing.assert_allclose(model.layers[0].bn.var[...], reference.layers[0].bn.var[...])
+
+
+def test_no_retrace_on_the_fast_path():
+    traces = []
+
+    @nnx_sharding.jit
+    def step(model, x):
+        traces.append(1)
+        return model(x)
+
+    model = Model()
+    for _ in range(5):
+        step(model, X)
+    assert len(traces) == 1
+    step(model, jnp.ones((5, 2)))  # new shape: jax traces again, on the full path
+    assert len(traces) == 2
+    step(model, X)
+    assert len(traces) == 2
+
+
+def test_structure_change_inside_disables_the_fast_path_for_that_plan():
+    @nnx_sharding.jit
+    def grow(model):
+        model.extra = nnx.Param(jnp.zeros(()))
+
+    model = Model()
+    grow(model)
+    assert isinstance(model.extra, nnx.Param)
+    del model.extra
+    grow(model)  # the same plan again: must still write the new attribute back
+    assert isinstance(model.extra, nnx.Param)
+
+
+def test_cache_entry_dies_with_its_module():
+    import gc
+
+    @nnx_sharding.jit
+    def f(model, x):
+        return model(x)
+
+    model = Model()
+    f(model, X)
+    assert len(f._entries) == 1
+    del model
+    gc.collect()
+    assert len(f._entries) == 0
