@@ -78,6 +78,7 @@ class CallPlan:
     graphdefs: tuple[GraphDef, ...]  # one per treedef leaf; None for array leaves
     sizes: tuple[int, ...]  # flat leaves per treedef leaf
     statics: tuple[tuple[int | str, Hashable], ...]
+    wheres: tuple[str, ...]  # per treedef leaf: ``args[0]``, ``kwargs['x']``
     donate: tuple[bool, ...]  # per flat leaf
     shardings: tuple[ShardingLike, ...]  # per flat leaf
 
@@ -85,7 +86,11 @@ class CallPlan:
         try:
             return self.__dict__["_hash"]
         except KeyError:
-            value = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+            try:
+                value = hash(fields)
+            except TypeError:  # a module holds an unhashable static attribute (a list)
+                value = hash(tuple(f for f in fields if not isinstance(f, tuple)))
             object.__setattr__(self, "_hash", value)
             return value
 
@@ -213,7 +218,7 @@ def split_call(
                 for path, item in zip(flat.paths, flat.leaves, strict=True):
                     leaves.append(_value(item))
                     sites.append(Site(where, tuple(path)))
-                    shardings.append(table.get(id(item)))
+                    shardings.append(table.get(id(item), (None,))[0])
                     donate.append(is_donated)
             else:
                 graphdefs.append(None)
@@ -224,7 +229,14 @@ def split_call(
                 shardings.append(entry)
                 donate.append(is_donated)
     plan = CallPlan(
-        spec, treedef, tuple(graphdefs), tuple(sizes), statics, tuple(donate), tuple(shardings)
+        spec,
+        treedef,
+        tuple(graphdefs),
+        tuple(sizes),
+        statics,
+        tuple(wheres),
+        tuple(donate),
+        tuple(shardings),
     )
     return plan, leaves, sites, items
 
@@ -260,19 +272,21 @@ def merge_inputs(plan: CallPlan, leaves: Sequence[Leaf]) -> tuple[tuple, dict, l
     return tuple(args), kwargs, call_leaves
 
 
-def inner_shardings(plan: CallPlan, call_leaves: Sequence[Any]) -> dict[int, ShardingLike]:
-    """``id(inner Variable) -> sharding`` for the freshly merged inputs."""
-    table: dict[int, ShardingLike] = {}
+def inner_shardings(
+    plan: CallPlan, call_leaves: Sequence[Any]
+) -> dict[int, tuple[ShardingLike, str]]:
+    """``id(inner Variable) -> (sharding, path)`` for the freshly merged inputs."""
+    table: dict[int, tuple[ShardingLike, str]] = {}
     if all(s is None for s in plan.shardings):
         return table
     chunks = _chunks(plan.shardings, plan.sizes)
     with nnx.split_context() as ctx:
-        for leaf, chunk in zip(call_leaves, chunks, strict=True):
+        for leaf, chunk, where in zip(call_leaves, chunks, plan.wheres, strict=True):
             if is_node(leaf):
                 _, flat = ctx.flatten(leaf)
-                for item, sharding in zip(flat.leaves, chunk, strict=True):
+                for path, item, sharding in zip(flat.paths, flat.leaves, chunk, strict=True):
                     if sharding is not None:
-                        table[id(item)] = sharding
+                        table[id(item)] = (sharding, where + format_path(path))
     return table
 
 
@@ -281,7 +295,7 @@ def split_outputs(
     call_leaves: Sequence[Any],
     in_leaves: Sequence[Leaf],
     before: Snapshot | None,
-    in_table: dict[int, ShardingLike],
+    in_table: dict[int, tuple[ShardingLike, str]],
     out: Any,
 ) -> tuple[OutPlan, list[Leaf], list[Leaf]]:
     """Step 3 (inside the trace): the updated inputs and the outputs, split together.
@@ -309,16 +323,18 @@ def split_outputs(
         [(w, x, e) for w, x, e in zip(wheres, out_leaves, entries, strict=True) if is_node(x)],
     )
 
+    conflicts: list[str] = []
+
     def constrain(item: Any, sharding: ShardingLike) -> Leaf:
         value = _value(item)
-        inner, outer = in_table.get(id(item)), out_table.get(id(item))
+        (inner, in_site), (outer, out_site) = (
+            in_table.get(id(item), (None, "")),
+            out_table.get(id(item), (None, "")),
+        )
         if inner is not None and outer is not None and inner != outer:
-            raise ValueError(
-                _errors.aliased_shardings(
-                    transform,
-                    "in_shardings/out_shardings",
-                    [f"a Variable gets {inner!r} as an input and {outer!r} as an output"],
-                )
+            conflicts.append(
+                f"the Variable at {in_site} gets {inner!r} as an input, "
+                f"and as {out_site} gets {outer!r} as an output"
             )
         sharding = sharding if sharding is not None else (outer if outer is not None else inner)
         if sharding is None or not isinstance(value, jax.Array):
@@ -344,6 +360,10 @@ def split_outputs(
     with nnx.split_context(TAG) as ctx:
         in_graphdefs, in_sizes, values, in_flat = split_all(call_leaves, [None] * len(call_leaves))
         out_graphdefs, out_sizes, _, out_flat = split_all(out_leaves, entries)
+    if conflicts:
+        raise ValueError(
+            _errors.aliased_shardings(transform, "in_shardings/out_shardings", conflicts)
+        )
 
     in_changed = None
     if before is not None and before.fresh():
@@ -355,7 +375,8 @@ def split_outputs(
         in_changed = tuple(
             i
             for i, (new, old) in enumerate(zip(values, in_leaves, strict=True))
-            if is_state[i] and (new is not old or plan.donate[i])
+            # changed, resharded (constrained) or donated: the caller needs the new array
+            if is_state[i] and (new is not old or in_flat[i] is not old or plan.donate[i])
         )
         in_flat = [in_flat[i] for i in in_changed]
     inputs = [leaf for leaf in call_leaves if is_node(leaf)]

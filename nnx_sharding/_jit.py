@@ -151,7 +151,7 @@ class JitWrapped(Generic[P, R]):
             plan, leaves, sites, _ = split_call(self._spec, (*self._bound, *args), kwargs)
             traced = call_flat(self._jax_function(plan).trace, plan, leaves, sites)
         self._compiled(plan).note(traced.out_info[0])
-        return Traced(traced, plan, sites)
+        return Traced(traced, plan, sites, self._bound)
 
     def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered:
         """Traces and lowers for these arguments; see `jax.stages.Lowered`."""

@@ -196,8 +196,8 @@ def variable_shardings(
     transform: str,
     argument: str,
     nodes: Sequence[tuple[str, Any, Any]],
-) -> dict[int, ShardingLike]:
-    """``id(variable) -> sharding`` for every Variable below the given nodes.
+) -> dict[int, tuple[ShardingLike, str]]:
+    """``id(variable) -> (sharding, path)`` for every Variable below the given nodes.
 
     ``nodes`` holds ``(where, node, entry)`` triples: the rendered argument path,
     the graph node and the prefix entry above it. A Variable reached through two
@@ -228,7 +228,7 @@ def variable_shardings(
                 )
     if conflicts:
         raise ValueError(_errors.aliased_shardings(transform, argument, conflicts))
-    return {key: sharding for key, (sharding, _) in chosen.items()}
+    return chosen
 
 
 def _alias_paths(node: Any, by_path: Mapping[Path, Any]) -> Iterator[tuple[Path, Any]]:

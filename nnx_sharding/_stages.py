@@ -42,10 +42,10 @@ def _differences(plan: CallPlan, expected: CallPlan) -> list[str]:
         found.append(f"argument structure {plan.treedef} differs from {expected.treedef}")
     for i, (a, b) in enumerate(zip(plan.graphdefs, expected.graphdefs, strict=False)):
         if a != b:
-            found.append(f"the graph node at argument leaf #{i} has another structure")
+            found.append(f"the graph node at {plan.wheres[i]} has another structure")
     if plan.statics != expected.statics:
         found.append(f"static arguments {plan.statics!r} differ from {expected.statics!r}")
-    if plan.shardings != expected.shardings or plan.donate != expected.donate:
+    if not found and (plan.shardings != expected.shardings or plan.donate != expected.donate):
         found.append("the shardings or donation of the arguments differ")
     return found or ["the arguments differ from those the program was lowered for"]
 
@@ -68,14 +68,17 @@ class _Stage:
 
     _STAGE = ""
 
-    def __init__(self, jax_stage: Any, plan: CallPlan, sites: Sequence[Site]):
+    def __init__(
+        self, jax_stage: Any, plan: CallPlan, sites: Sequence[Site], bound: tuple[Any, ...] = ()
+    ):
         self._jax = jax_stage
         self._plan = plan
         self._sites = tuple(sites)
+        self._bound = bound  # the object of a bound method, passed first
 
     @property
     def args_info(self) -> Any:
-        """See `jax.stages.Stage.args_info`; graph nodes as ``nnx.State`` of ``ArgInfo``."""
+        """See `jax.stages.Lowered.args_info`; graph nodes as ``nnx.State`` of ``ArgInfo``."""
         donated, kept = self._jax.args_info[0]
         infos = self._plan.join(donated, kept)
         return _arrange(self._plan, self._sites, infos)
@@ -88,11 +91,11 @@ class _Stage:
         leaves = self._plan.join(avals[:n_donated], avals[n_donated:])
         return merge_abstract(leaves, *self._jax.out_info)
 
-    in_tree = property(lambda self: self._jax.in_tree, doc="See `jax.stages.Stage.in_tree`.")
-    in_avals = property(lambda self: self._jax.in_avals, doc="See `jax.stages.Stage.in_avals`.")
-    out_tree = property(lambda self: self._jax.out_tree, doc="See `jax.stages.Stage.out_tree`.")
+    in_tree = property(lambda self: self._jax.in_tree, doc="See `jax.stages.Lowered.in_tree`.")
+    in_avals = property(lambda self: self._jax.in_avals, doc="See `jax.stages.Lowered.in_avals`.")
+    out_tree = property(lambda self: self._jax.out_tree, doc="See `jax.stages.Lowered.out_tree`.")
     donate_argnums = property(
-        lambda self: self._jax.donate_argnums, doc="See `jax.stages.Stage.donate_argnums`."
+        lambda self: self._jax.donate_argnums, doc="See `jax.stages.Lowered.donate_argnums`."
     )
 
 
@@ -122,7 +125,10 @@ class Traced(_Stage):
     def lower(self, *, lowering_platforms: tuple[str, ...] | None = None) -> Lowered:
         """See `jax.stages.Traced.lower`."""
         return Lowered(
-            self._jax.lower(lowering_platforms=lowering_platforms), self._plan, self._sites
+            self._jax.lower(lowering_platforms=lowering_platforms),
+            self._plan,
+            self._sites,
+            self._bound,
         )
 
 
@@ -145,7 +151,7 @@ class Lowered(_Stage):
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         """See `jax.stages.Lowered.compile`."""
-        return Compiled(self._jax.compile(compiler_options), self._plan, self._sites)
+        return Compiled(self._jax.compile(compiler_options), self._plan, self._sites, self._bound)
 
 
 class Compiled(_Stage):
@@ -177,7 +183,7 @@ class Compiled(_Stage):
         """Runs the program on the same kinds of arguments as the `JitWrapped`."""
         spec = self._plan.spec
         with nnx.update_context(TAG):
-            plan, leaves, sites, _ = split_call(spec, args, kwargs)
+            plan, leaves, sites, _ = split_call(spec, (*self._bound, *args), kwargs)
             wrong = _differences(plan, self._plan) if plan != self._plan else []
             donated, kept = plan.partition(leaves)
             if not wrong:

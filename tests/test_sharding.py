@@ -1,0 +1,401 @@
+"""`StateSharding` and the sharding prefixes of `nnx_sharding.jit` (acceptance items 7, 11)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nnx_sharding
+from nnx_sharding import StateSharding
+
+MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
+X = jnp.linspace(-1.0, 1.0, 32).reshape(8, 4)
+
+
+def named(*spec):
+    return NamedSharding(MESH, P(*spec))
+
+
+A, B = named(), named("model")  # two distinct shardings
+
+
+class MLP(nnx.Module):
+    def __init__(self, seed: int = 0):
+        rngs = nnx.Rngs(seed)
+        self.l1 = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.l2 = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.bn(self.l1(x))))
+
+
+class Noisy(nnx.Module):
+    """Holds Rng Variables (tagged 'dropout') next to Params."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.rngs = nnx.Rngs(dropout=1)
+
+
+class Shared(nnx.Module):
+    """The same Linear under two attribute names."""
+
+    def __init__(self):
+        self.first = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        self.second = self.first
+
+
+class Annotated(nnx.Module):
+    """Params carrying partitioning metadata, for `nnx.get_partition_spec`."""
+
+    def __init__(self):
+        kernel_init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+        bias_init = nnx.with_partitioning(nnx.initializers.zeros_init(), ("model",))
+        self.lin = nnx.Linear(4, 8, kernel_init=kernel_init, bias_init=bias_init, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def flat_variables(node):
+    return {p: v for p, v in nnx.to_flat_state(nnx.state(node))}
+
+
+def specs_of(node):
+    """path -> PartitionSpec of the array each Variable holds now (else its sharding)."""
+    shardings = {p: v.get_value().sharding for p, v in flat_variables(node).items()}
+    return {p: getattr(s, "spec", s) for p, s in shardings.items()}
+
+
+def sgd_step(model, x):
+    """Updates every Variable: Params by SGD, BatchStats by BatchNorm in train mode."""
+
+    def loss_fn(m):
+        return jnp.mean(m(x) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
+    return loss
+
+
+def assert_same_numbers(model, reference):
+    got, want = flat_variables(model), flat_variables(reference)
+    assert got.keys() == want.keys()
+    for path in want:
+        np.testing.assert_allclose(got[path][...], want[path][...], rtol=1e-5, atol=1e-6)
+
+
+MLP_SHARDING = StateSharding(
+    [(nnx.PathContains("kernel"), P(None, "model")), ([nnx.Param, nnx.BatchStat], P("model"))]
+)
+MLP_SPECS = {  # what MLP_SHARDING gives each of MLP's Variables
+    **{("bn", name): P("model") for name in ("bias", "mean", "scale", "var")},
+    **{(layer, "bias"): P("model") for layer in ("l1", "l2")},
+    **{(layer, "kernel"): P(None, "model") for layer in ("l1", "l2")},
+}
+
+
+# --- StateSharding ---------------------------------------------------------------------
+
+KERNEL, BIAS = ("lin", "kernel"), ("lin", "bias")
+RNG_KEY = ("rngs", "dropout", "key")
+EXPECTED = {KERNEL: P(None, "model"), BIAS: named("model"), RNG_KEY: None}
+
+
+def _spec_from_state():
+    state = nnx.state(Noisy())
+    flat = nnx.to_flat_state(state)
+    return nnx.from_flat_state([(p, v.replace(EXPECTED.get(p))) for p, v in flat])
+
+
+PAIRS = [(nnx.PathContains("kernel"), EXPECTED[KERNEL]), (nnx.Param, EXPECTED[BIAS])]
+SPEC_FORMS = {
+    "dict": lambda: {**dict(PAIRS), ...: None},
+    "pairs": lambda: [*PAIRS, (..., None)],
+    "generator": lambda: (pair for pair in [*PAIRS, ("dropout", None)]),
+    "state": _spec_from_state,
+}
+
+
+@pytest.mark.parametrize("form", SPEC_FORMS)
+def test_spec_forms_give_each_variable_its_value(form):
+    sharding = StateSharding(SPEC_FORMS[form]())
+    variables = flat_variables(Noisy())
+    got = {p: sharding.sharding_for(p, v) for p, v in variables.items()}
+    assert got[KERNEL] == P(None, "model")
+    assert got[BIAS] == named("model") and isinstance(got[BIAS], NamedSharding)
+    assert got[RNG_KEY] is None and got[("rngs", "dropout", "count")] is None
+
+
+def test_state_spec_matches_exact_paths_only():
+    sharding = StateSharding(_spec_from_state())
+    with pytest.raises(ValueError, match=r"\.other\.kernel"):
+        sharding.sharding_for(("other", "kernel"), nnx.Param(jnp.zeros(2)))
+
+
+def test_state_spec_from_get_partition_spec():
+    with nnx.use_eager_sharding(False):
+        model = Annotated()
+    sharding = StateSharding(nnx.get_partition_spec(nnx.state(model)))
+    got = {p: sharding.sharding_for(p, v) for p, v in flat_variables(model).items()}
+    assert got == {KERNEL: P(None, "model"), BIAS: P("model")}
+    with jax.set_mesh(MESH):
+        nnx_sharding.jit(sgd_step, in_shardings=(sharding, None))(model, X)
+    assert specs_of(model) == got
+
+
+FILTERS = [  # (filter, path, Variable, matches)
+    (nnx.Param, KERNEL, nnx.Param(1.0), True),
+    (nnx.Param, ("bn", "mean"), nnx.BatchStat(1.0), False),
+    (nnx.BatchStat, ("bn", "mean"), nnx.BatchStat(1.0), True),
+    ("dropout", RNG_KEY, nnx.RngKey(jax.random.key(0), tag="dropout"), True),
+    ("dropout", KERNEL, nnx.Param(1.0), False),
+    (nnx.PathContains("kernel"), KERNEL, nnx.Param(1.0), True),
+    (nnx.PathContains("kernel"), BIAS, nnx.Param(1.0), False),
+    (lambda path, v: path[-1] == "bias", BIAS, nnx.Param(1.0), True),
+    (lambda path, v: path[-1] == "bias", KERNEL, nnx.Param(1.0), False),
+    (..., RNG_KEY, nnx.RngKey(jax.random.key(0), tag="dropout"), True),
+    ([nnx.BatchStat, "dropout"], ("bn", "var"), nnx.BatchStat(1.0), True),
+    ([nnx.BatchStat, "dropout"], KERNEL, nnx.Param(1.0), False),
+]
+
+
+@pytest.mark.parametrize("filter_, path, variable, matches", FILTERS)
+def test_filter_kinds(filter_, path, variable, matches):
+    # a matching first filter gives A; otherwise the catch-all gives B
+    sharding = StateSharding([(filter_, A), (..., B)])
+    assert sharding.sharding_for(path, variable) == (A if matches else B)
+
+
+def test_first_matching_filter_wins():
+    kernel = nnx.Param(jnp.zeros((4, 8)))
+    by_path_first = StateSharding([(nnx.PathContains("kernel"), A), (nnx.Param, B)])
+    by_type_first = StateSharding([(nnx.Param, B), (nnx.PathContains("kernel"), A)])
+    assert by_path_first.sharding_for(KERNEL, kernel) == A
+    assert by_type_first.sharding_for(KERNEL, kernel) == B
+
+
+def test_unmatched_variable_names_path_type_and_filters():
+    sharding = StateSharding([(nnx.BatchStat, None), (nnx.PathContains("kernel"), P())])
+    with pytest.raises(ValueError) as info:
+        sharding.sharding_for(("layers", 0, "bias"), nnx.Param(jnp.zeros(3)))
+    message = str(info.value)
+    assert ".layers[0].bias" in message
+    assert "(type Param)" in message
+    assert repr(nnx.BatchStat) in message and "PathContains('kernel'" in message
+
+
+def test_unmatched_variable_in_a_call_raises():
+    f = nnx_sharding.jit(lambda m: None, in_shardings=StateSharding({nnx.BatchStat: None}))
+    with pytest.raises(ValueError, match=r"Variable at \.bn\.bias \(type Param\) matches none"):
+        f(MLP())
+
+
+def test_equality_and_hash():
+    def make():
+        return StateSharding([([nnx.Param, nnx.BatchStat], P("model")), (..., named())])
+
+    a, b = make(), make()
+    assert a == b and hash(a) == hash(b)
+    assert {a: 1}[b] == 1
+    assert a != StateSharding([([nnx.Param, nnx.BatchStat], P()), (..., named())])
+    assert a != StateSharding([(..., named()), ([nnx.Param, nnx.BatchStat], P("model"))])
+    assert a != {nnx.Param: P("model")}
+    from_state = StateSharding(_spec_from_state())
+    assert from_state == StateSharding(_spec_from_state())
+    assert hash(from_state) == hash(StateSharding(_spec_from_state()))
+
+
+def test_repr():
+    sharding = StateSharding({nnx.Param: P(None, "model"), ...: None})
+    assert repr(sharding) == "StateSharding({Param: P(None, 'model'), Ellipsis: None})"
+
+
+@pytest.mark.parametrize("value", ["model", 3, ("data", None)])
+def test_non_sharding_value_is_a_type_error(value):
+    with pytest.raises(TypeError, match=r"the value for filter .*Param.* is a"):
+        StateSharding({nnx.Param: value})
+
+
+# --- in_shardings / out_shardings: acceptance item 7 -----------------------------------
+
+IN_FORMS = {  # in_shardings -> per-path spec of MLP's Variables after the call
+    "state_sharding_and_batch": ((MLP_SHARDING, P("data")), MLP_SPECS),
+    "one_spec_for_all": (P(), dict.fromkeys(MLP_SPECS, P())),
+    "one_named_sharding": (named(), dict.fromkeys(MLP_SPECS, P())),
+    "state_from_nnx_state": (
+        (StateSharding(jax.tree.map(lambda x: P("model"), nnx.state(MLP()))), None),
+        dict.fromkeys(MLP_SPECS, P("model")),
+    ),
+}
+
+
+@pytest.mark.parametrize("form", IN_FORMS)
+def test_in_shardings_place_updated_variables(form):
+    in_shardings, expected = IN_FORMS[form]
+    model, reference = MLP(), MLP()
+    with jax.set_mesh(MESH):
+        loss = nnx_sharding.jit(sgd_step, in_shardings=in_shardings)(model, X)
+    shardings = {p: v.get_value().sharding for p, v in flat_variables(model).items()}
+    assert shardings == {p: NamedSharding(MESH, spec) for p, spec in expected.items()}
+    np.testing.assert_allclose(loss, sgd_step(reference, X), rtol=1e-5)
+    assert_same_numbers(model, reference)
+
+
+def test_in_shardings_batch_spec_reaches_the_program():
+    model = MLP()  # built outside the mesh: flax would shard it eagerly there
+    f = nnx_sharding.jit(sgd_step, in_shardings=(MLP_SHARDING, P("data")))
+    with jax.set_mesh(MESH):
+        compiled = f.lower(model, X).compile()
+    (_, kept), _ = compiled.input_shardings
+    assert kept[-1].spec == P("data")  # the batch is the last flat leaf
+
+
+@pytest.mark.parametrize("where", ["in_shardings", "out_shardings"])
+def test_read_only_variables_are_resharded(where):
+    model, reference = MLP(), MLP()
+    if where == "in_shardings":
+        f = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(MLP_SHARDING, None))
+    else:
+        f = nnx_sharding.jit(lambda m, x: (m, m(x)), out_shardings=(MLP_SHARDING, None))
+    with jax.set_mesh(MESH):
+        out = f(model, X)
+    y = out if where == "in_shardings" else out[1]
+    np.testing.assert_allclose(y, reference(X), rtol=1e-5, atol=1e-6)
+    assert specs_of(model) == MLP_SPECS
+
+
+def test_out_shardings_on_a_constructor():
+    with jax.set_mesh(MESH):
+        model = nnx_sharding.jit(lambda: MLP(seed=3), out_shardings=MLP_SHARDING)()
+    assert specs_of(model) == MLP_SPECS
+    assert model.l1.kernel.get_value().sharding == named(None, "model")
+    assert_same_numbers(model, MLP(seed=3))
+
+
+def test_out_shardings_on_arrays():
+    out_shardings = (named("data"), named(None, "model"))
+    a, b = nnx_sharding.jit(lambda x: (x * 2, jnp.sin(x)), out_shardings=out_shardings)(X)
+    assert a.sharding == out_shardings[0] and b.sharding == out_shardings[1]
+    np.testing.assert_allclose(a, X * 2)
+    np.testing.assert_allclose(b, jnp.sin(X), rtol=1e-6)
+
+
+SS = MLP_SHARDING
+BAD_PREFIXES = [  # (option, value given the model, error, match); f(model, X) = model(X)
+    ("in_shardings", lambda m: (m, None), ValueError, r"graph node of type MLP at args\[0\]"),
+    ("out_shardings", lambda m: m, ValueError, r"out_shardings: found a graph node"),
+    ("in_shardings", lambda m: (SS, None, None), ValueError, r"not a pytree prefix"),
+    ("in_shardings", lambda m: (SS, (None, None)), ValueError, r"not a pytree prefix"),
+    ("in_shardings", lambda m: (SS, SS), ValueError, r"StateSharding stands at args\[1\]"),
+    ("out_shardings", lambda m: SS, ValueError, r"StateSharding stands at output, where"),
+    ("in_shardings", lambda m: ("data", None), TypeError, r"found a str at args\[0\]"),
+]
+
+
+@pytest.mark.parametrize("option, value, error, match", BAD_PREFIXES)
+def test_bad_prefix_is_rejected(option, value, error, match):
+    model = MLP()
+    f = nnx_sharding.jit(lambda m, x: m(x), **{option: value(model)})
+    with jax.set_mesh(MESH), pytest.raises(error, match=match):
+        f(model, X)
+
+
+# --- aliasing: acceptance item 11 ------------------------------------------------------
+
+
+def test_same_module_twice_with_two_shardings_names_both_paths():
+    lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    f = nnx_sharding.jit(
+        lambda a, b: a(X) + b(X),
+        in_shardings=(StateSharding({nnx.Param: A}), StateSharding({nnx.Param: B})),
+    )
+    with pytest.raises(ValueError, match="shared reference") as info:
+        f(lin, lin)
+    assert "args[0].kernel" in str(info.value) and "args[1].kernel" in str(info.value)
+
+
+def test_shared_submodule_with_two_path_shardings_names_both_paths():
+    by_path = StateSharding([(nnx.PathContains("first"), A), (..., B)])
+    with pytest.raises(ValueError, match="shared reference") as info:
+        nnx_sharding.jit(lambda m: None, in_shardings=by_path)(Shared())
+    assert "args[0].first.kernel" in str(info.value)
+    assert "args[0].second.kernel" in str(info.value)
+
+
+def test_input_and_output_shardings_conflict_names_both_paths():
+    lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    f = nnx_sharding.jit(
+        lambda m: m,
+        in_shardings=StateSharding({nnx.Param: A}),
+        out_shardings=StateSharding({nnx.Param: B}),
+    )
+    with pytest.raises(ValueError, match="shared reference") as info:
+        f(lin)
+    assert "args[0].kernel" in str(info.value) and "output.kernel" in str(info.value)
+
+
+def double_kernels(*linears):
+    for lin in linears:
+        lin.kernel[...] = lin.kernel[...] * 2
+
+
+def double_shared(model):
+    double_kernels(model.first, model.second)
+
+
+AGREEING = {  # make the arguments, function, in_shardings; the kernel ends up x4 each time
+    "same_module_twice": (
+        lambda: (nnx.Linear(4, 8, rngs=nnx.Rngs(0)),) * 2,
+        double_kernels,
+        (StateSharding({nnx.Param: A}),) * 2,
+    ),
+    "one_path_none": (
+        lambda: (nnx.Linear(4, 8, rngs=nnx.Rngs(0)),) * 2,
+        double_kernels,
+        (StateSharding({nnx.Param: A}), None),
+    ),
+    "shared_submodule": (
+        lambda: (Shared(),),
+        double_shared,
+        StateSharding([(nnx.PathContains("first"), A), (..., A)]),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", AGREEING)
+def test_agreeing_aliases_are_fine(case):
+    make, fun, in_shardings = AGREEING[case]
+    args = make()
+    kernel = nnx.Linear(4, 8, rngs=nnx.Rngs(0)).kernel[...]
+    nnx_sharding.jit(fun, in_shardings=in_shardings)(*args)
+    variable = args[0].first.kernel if case == "shared_submodule" else args[0].kernel
+    np.testing.assert_allclose(variable[...], kernel * 4)
+    assert variable.get_value().sharding == A
+
+
+# --- static arguments -----------------------------------------------------------------
+
+
+def test_static_argnums_with_in_shardings_for_dynamic_args_only():
+    def step(model, scale, x):
+        return sgd_step(model, x * scale)
+
+    f = nnx_sharding.jit(step, static_argnums=1, in_shardings=(MLP_SHARDING, P("data")))
+    model, reference = MLP(), MLP()
+    with jax.set_mesh(MESH):
+        loss = f(model, 2.0, X)
+    assert specs_of(model) == MLP_SPECS
+    np.testing.assert_allclose(loss, step(reference, 2.0, X), rtol=1e-5)
+    assert_same_numbers(model, reference)
+
+    one_entry_per_argument = nnx_sharding.jit(
+        step, static_argnums=1, in_shardings=(MLP_SHARDING, None, P("data"))
+    )
+    with jax.set_mesh(MESH), pytest.raises(ValueError, match="pytree prefix"):
+        one_entry_per_argument(MLP(), 2.0, X)

@@ -1,0 +1,370 @@
+"""`Traced`/`Lowered`/`Compiled`: every `jax.stages` member, module arguments, AOT calls."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import nnx_sharding
+from nnx_sharding import Compiled, Lowered, Traced
+
+X = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+Y = jnp.linspace(0.0, 1.0, 6).reshape(2, 3)
+
+
+class Counter(nnx.Module):
+    """A Linear plus a call counter updated in place."""
+
+    def __init__(self, seed: int = 0):
+        self.lin = nnx.Linear(4, 3, rngs=nnx.Rngs(seed))
+        self.count = nnx.BatchStat(jnp.array(0))
+
+    def __call__(self, x):
+        self.count[...] += 1
+        return self.lin(x)
+
+
+def forward(model, x):
+    return model(x)
+
+
+def scaled(model, factor, x):
+    return model(x) * factor
+
+
+def train_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def public(cls):
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+STAGES = {"Traced": Traced, "Lowered": Lowered, "Compiled": Compiled}
+
+
+# --- every member, against the same function through plain jax.jit on the flat arrays ---
+
+
+def flat_reference(model, x):
+    """`forward` as jax.jit sees it: ``(donated, kept)`` flat lists in, flat lists out.
+
+    The first output stands where our program returns its static `OutPlan`.
+    """
+    graphdef, state = nnx.split(model)
+    values, treedef = jax.tree.flatten(state)
+
+    def forward(donated, kept):
+        *variables, x = kept
+        inner = nnx.merge(graphdef, jax.tree.unflatten(treedef, variables))
+        y = inner(x)
+        return None, [inner.count[...]], [y]
+
+    return jax.jit(forward).trace([], [*values, x])
+
+
+@pytest.fixture(scope="module")
+def stages():
+    ours = nnx_sharding.jit(forward).trace(Counter(), X)
+    ref = flat_reference(Counter(), X)
+    lowered, ref_lowered = ours.lower(), ref.lower()
+    return {
+        "Traced": (ours, ref),
+        "Lowered": (lowered, ref_lowered),
+        "Compiled": (lowered.compile(), ref_lowered.compile()),
+    }
+
+
+def same(name):
+    return lambda o, r: getattr(o, name) == getattr(r, name)
+
+
+def same_leaves(name):
+    return lambda o, r: jax.tree.leaves(getattr(o, name)) == jax.tree.leaves(getattr(r, name))
+
+
+def args_info(o, r):
+    (state, x), kwargs = o.args_info
+    return (
+        isinstance(state, nnx.State)
+        and kwargs == {}
+        and set(dict(nnx.to_flat_state(state))) == {("count",), ("lin", "bias"), ("lin", "kernel")}
+        and x.shape == X.shape
+        and jax.tree.leaves(o.args_info) == jax.tree.leaves(r.args_info)
+    )
+
+
+def out_info(o, r):
+    return o.out_info == r.out_info[2][0]  # one array output: given as itself
+
+
+def out_tree(o, r):
+    return o.out_tree.num_leaves == r.out_tree.num_leaves == 2
+
+
+def compiled_call(o, r):
+    model = Counter()
+    values = jax.tree.leaves(nnx.state(model))
+    _, [count], [y] = r([], [*values, X])  # jax's `call` is a static helper of __call__
+    got = o.call(model, X)
+    return np.allclose(got, y) and int(model.count[...]) == int(count) == 1
+
+
+def memory(o, r):
+    fields = [
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+    ]
+    got, want = o.memory_analysis(), r.memory_analysis()
+    return [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields]
+
+
+SHARED = {
+    "args_info": args_info,
+    "donate_argnums": same("donate_argnums"),
+    "in_avals": same("in_avals"),
+    "in_tree": same("in_tree"),
+    "out_info": out_info,
+    "out_tree": out_tree,
+}
+CHECKS = {
+    "Traced": {
+        **SHARED,
+        "fun_name": lambda o, r: o.fun_name == r.fun_name == "forward",
+        "jaxpr": lambda o, r: str(o.jaxpr) == str(r.jaxpr) and "dot_general" in str(o.jaxpr),
+        "lojax": lambda o, r: type(o.lojax) is type(r.lojax),
+        "out_avals": same_leaves("out_avals"),
+        "lower": lambda o, r: (
+            isinstance(low := o.lower(lowering_platforms=("cpu",)), Lowered)
+            and low.as_text() == r.lower(lowering_platforms=("cpu",)).as_text()
+        ),
+    },
+    "Lowered": {
+        **SHARED,
+        "as_text": lambda o, r: (
+            o.as_text() == r.as_text()
+            and "func" in o.as_text()
+            and o.as_text("hlo") == r.as_text("hlo")
+        ),
+        "compiler_ir": lambda o, r: (
+            o.compiler_ir("stablehlo") is not None
+            and str(o.compiler_ir("stablehlo")) == str(r.compiler_ir("stablehlo"))
+        ),
+        "cost_analysis": lambda o, r: o.cost_analysis() == r.cost_analysis(),
+        "compile": lambda o, r: (
+            isinstance(
+                c := o.compile(compiler_options={"xla_cpu_enable_fast_math": False}), Compiled
+            )
+            and np.allclose(c(Counter(), X), Counter()(X))
+        ),
+    },
+    "Compiled": {
+        **SHARED,
+        "as_text": lambda o, r: (  # later lines name source files
+            o.as_text().startswith("HloModule jit_forward")
+            and o.as_text().splitlines()[0] == r.as_text().splitlines()[0]
+        ),
+        "call": compiled_call,
+        "cost_analysis": lambda o, r: o.cost_analysis() == r.cost_analysis(),
+        "memory_analysis": memory,
+        "runtime_executable": lambda o, r: (
+            type(o.runtime_executable()) is type(r.runtime_executable())
+        ),
+        "input_formats": same("input_formats"),
+        "input_shardings": same("input_shardings"),
+        "output_formats": same_leaves("output_formats"),
+        "output_shardings": same_leaves("output_shardings"),
+    },
+}
+MEMBERS = [  # every public member of jax's class and of ours
+    (s, n)
+    for s, cls in STAGES.items()
+    for n in sorted(public(getattr(jax.stages, s)) | public(cls))
+]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_jax_member_exists_and_is_checked(stage):
+    jax_members = public(getattr(jax.stages, stage))
+    assert jax_members <= public(STAGES[stage])
+    assert set(CHECKS[stage]) == jax_members | public(STAGES[stage])
+
+
+@pytest.mark.parametrize("stage, member", MEMBERS)
+def test_member_matches_jax(stages, stage, member):
+    ours, ref = stages[stage]
+    assert type(ours) is STAGES[stage]
+    assert CHECKS[stage][member](ours, ref)
+
+
+# --- entry points ------------------------------------------------------------------------
+
+
+def test_jit_wrapped_trace_and_lower():
+    f = nnx_sharding.jit(forward)
+    model = Counter()
+    traced, lowered = f.trace(model, X), f.lower(model, X)
+    assert isinstance(traced, Traced) and isinstance(lowered, Lowered)
+    assert lowered.as_text() == traced.lower().as_text()
+    assert int(model.count[...]) == 0  # tracing and lowering run nothing
+
+
+# --- args_info / out_info in the caller's structure --------------------------------------
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_args_info_gives_graph_nodes_as_states(stage):
+    model = Counter()
+    obj = nnx_sharding.jit(forward, donate_argnums=0).trace(model, X)
+    obj = obj if stage == "Traced" else obj.lower()
+    obj = obj.compile() if stage == "Compiled" else obj
+    (state, x), kwargs = obj.args_info
+    assert isinstance(state, nnx.State) and kwargs == {}
+    infos = dict(nnx.to_flat_state(state))
+    assert {p: i.shape for p, i in infos.items()} == {
+        ("count",): (),
+        ("lin", "bias"): (3,),
+        ("lin", "kernel"): (4, 3),
+    }
+    assert all(isinstance(i, jax.stages.ArgInfo) and i.donated for i in infos.values())
+    assert x.shape == (2, 4) and not x.donated
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_out_info_gives_graph_nodes_as_abstract_modules(stage):
+    model = Counter()
+    obj = nnx_sharding.jit(lambda m: (m, m.count[...] + 1)).trace(model)
+    obj = obj if stage == "Traced" else obj.lower()
+    obj = obj.compile() if stage == "Compiled" else obj
+    out_model, count = obj.out_info
+    assert type(out_model) is Counter and out_model is not model
+    kernel = out_model.lin.kernel.get_value()
+    assert isinstance(kernel, jax.ShapeDtypeStruct) and kernel.shape == (4, 3)
+    assert count.shape == () and count.dtype == jnp.int32
+
+
+def test_out_info_of_a_constructor():
+    out = nnx_sharding.jit(lambda: Counter(seed=1)).trace().out_info
+    assert type(out) is Counter
+    assert {p: v.get_value().shape for p, v in nnx.to_flat_state(nnx.state(out))} == {
+        ("count",): (),
+        ("lin", "bias"): (3,),
+        ("lin", "kernel"): (4, 3),
+    }
+
+
+# --- Compiled.__call__ -------------------------------------------------------------------
+
+
+def test_compiled_propagates_updates_like_jit():
+    model = Counter()
+    reference = nnx.clone(model)
+    compiled = nnx_sharding.jit(forward).lower(model, X).compile()
+    jitted = nnx_sharding.jit(forward)
+    for step in (1, 2):
+        np.testing.assert_allclose(compiled(model, X), jitted(reference, X), rtol=1e-6)
+        assert int(model.count[...]) == int(reference.count[...]) == step
+
+
+def test_compiled_optimizer_step_like_jit():
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    ref_model, ref_optimizer = nnx.clone(model), nnx.clone(optimizer)
+    compiled = nnx_sharding.jit(train_step).lower(model, optimizer, X, Y).compile()
+    jitted = nnx_sharding.jit(train_step)
+    for step in (1, 2, 3):
+        loss = compiled(model, optimizer, X, Y)
+        np.testing.assert_allclose(loss, jitted(ref_model, ref_optimizer, X, Y), rtol=1e-6)
+        assert int(optimizer.step[...]) == int(ref_optimizer.step[...]) == step
+    np.testing.assert_allclose(model.kernel[...], ref_model.kernel[...], rtol=1e-6)
+    np.testing.assert_allclose(model.bias[...], ref_model.bias[...], rtol=1e-6)
+    for got, want in zip(
+        jax.tree.leaves(nnx.state(optimizer)),
+        jax.tree.leaves(nnx.state(ref_optimizer)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert not np.allclose(model.kernel[...], Counter().lin.kernel[...])  # it did train
+
+
+def test_compiled_call_is_dunder_call():
+    assert Compiled.call is Compiled.__call__
+    model, other = Counter(), Counter()
+    compiled = nnx_sharding.jit(forward).lower(model, X).compile()
+    np.testing.assert_array_equal(compiled.call(model, X), compiled(other, X))
+    assert int(model.count[...]) == int(other.count[...]) == 1
+
+
+def _with_extra_attribute():
+    model = Counter()
+    model.extra = nnx.Param(jnp.zeros(2))
+    return model
+
+
+def _with_wider_kernel():
+    model = Counter()
+    model.lin.kernel.set_value(jnp.zeros((4, 5)))
+    return model
+
+
+MISMATCHES = {  # call -> (args, kwargs); compiled for forward(Counter(), X)
+    "extra_attribute": (
+        lambda: ((_with_extra_attribute(), X), {}),
+        r"graph node at args\[0\] has another structure",
+    ),
+    "array_shape": (
+        lambda: ((Counter(), jnp.ones((3, 4))), {}),
+        r"args\[1\]: got float32\[3, 4\], compiled for float32\[2, 4\]",
+    ),
+    "array_dtype": (
+        lambda: ((Counter(), X.astype(jnp.int32)), {}),
+        r"args\[1\]: got int32\[2, 4\], compiled for float32\[2, 4\]",
+    ),
+    "variable_shape": (
+        lambda: ((_with_wider_kernel(), X), {}),
+        r"args\[0\]\.lin\.kernel: got float32\[4, 5\], compiled for float32\[4, 3\]",
+    ),
+    "keyword_argument": (lambda: ((Counter(),), {"x": X}), r"argument structure"),
+}
+
+
+@pytest.mark.parametrize("case", MISMATCHES)
+def test_compiled_rejects_other_structures(case):
+    make, match = MISMATCHES[case]
+    compiled = nnx_sharding.jit(forward).lower(Counter(), X).compile()
+    args, kwargs = make()
+    with pytest.raises(TypeError, match=match) as info:
+        compiled(*args, **kwargs)
+    assert "lowered for" in str(info.value)
+    assert int(args[0].count[...]) == 0  # nothing ran
+
+
+def test_compiled_rejects_another_static_argument():
+    compiled = nnx_sharding.jit(scaled, static_argnums=1).lower(Counter(), 2, X).compile()
+    np.testing.assert_allclose(compiled(Counter(), 2, X), Counter()(X) * 2, rtol=1e-6)
+    with pytest.raises(
+        TypeError, match=r"static arguments \(\(1, 3\),\) differ from \(\(1, 2\),\)"
+    ):
+        compiled(Counter(), 3, X)
+
+
+class Holder(nnx.Module):
+    def __init__(self):
+        self.counter = Counter()
+
+    @nnx_sharding.jit
+    def run(self, x):
+        return self.counter(x)
+
+
+def test_compiled_from_a_method_takes_the_method_arguments():
+    holder, reference = Holder(), Holder()
+    compiled = holder.run.lower(X).compile()
+    np.testing.assert_allclose(compiled(X), reference.run(X), rtol=1e-6)
+    assert int(holder.counter.count[...]) == 1
