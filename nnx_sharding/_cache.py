@@ -100,6 +100,9 @@ class Entry:
         self.snapshot = Snapshot(tuple(roots))
         self.roots = [weakref.ref(r, on_death) for r in roots]
         self.template: list[Leaf] = [None if isinstance(x, nnx.Variable) else x for x in items]
+        for slot in call_slots:  # an argument's arrays come from each call, not the first
+            if slot is not None:
+                self.template[slot] = None
         self.variable_slots = [i for i, x in enumerate(items) if isinstance(x, nnx.Variable)]
         self.variables = [items[i] for i in self.variable_slots]
         self.call_slots = call_slots  # per call leaf: flat index of an array leaf, or None

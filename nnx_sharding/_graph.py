@@ -460,6 +460,12 @@ def _full_inputs(
     return full
 
 
+def _merge(ctx: Any, out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]) -> Any:
+    _unflatten_all(ctx, out_plan.in_graphdefs, in_flat, out_plan.in_sizes)
+    out_leaves = _unflatten_all(ctx, out_plan.out_graphdefs, out_flat, out_plan.out_sizes)
+    return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
+
+
 def merge_call(
     leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
 ) -> Any:
@@ -467,11 +473,8 @@ def merge_call(
 
     ``leaves`` are the flat leaves the call was made with.
     """
-    in_flat = _full_inputs(out_plan, leaves, in_flat)
     with nnx.merge_context(TAG, inner=False) as ctx:
-        _unflatten_all(ctx, out_plan.in_graphdefs, in_flat, out_plan.in_sizes)
-        out_leaves = _unflatten_all(ctx, out_plan.out_graphdefs, out_flat, out_plan.out_sizes)
-    return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
+        return _merge(ctx, out_plan, _full_inputs(out_plan, leaves, in_flat), out_flat)
 
 
 def merge_abstract(
@@ -479,8 +482,5 @@ def merge_abstract(
 ) -> Any:
     """Like `merge_call` but into new objects: for abstract (shape-only) outputs."""
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]
-    in_flat = _full_inputs(out_plan, leaves, in_flat)
     with nnx.merge_context() as ctx:
-        _unflatten_all(ctx, out_plan.in_graphdefs, in_flat, out_plan.in_sizes)
-        out_leaves = _unflatten_all(ctx, out_plan.out_graphdefs, out_flat, out_plan.out_sizes)
-    return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
+        return _merge(ctx, out_plan, _full_inputs(out_plan, leaves, in_flat), out_flat)

@@ -97,11 +97,8 @@ class JitWrapped(Generic[P, R]):
         self._entries: dict[CacheKey, Entry] = {}
         self._bound: tuple[Any, ...] = ()
 
-    def _jax_function(self, plan: CallPlan) -> Any:
-        """The ``jax.jit`` object for one plan; created once, then cached."""
-        return self._compiled(plan).jitted
-
-    def _compiled(self, plan: CallPlan) -> PlanState:
+    def _state(self, plan: CallPlan) -> PlanState:
+        """The ``jax.jit`` function of one plan; created once, then cached."""
         state = self._plans.get(plan)
         if state is None:
             options: dict[str, Any] = {k: v for k, v in self._jit_options.items() if v}
@@ -130,9 +127,9 @@ class JitWrapped(Generic[P, R]):
                 FAST_CALL.active = False
         with nnx.update_context(TAG):
             plan, leaves, sites, items = split_call(self._spec, args, kwargs)
-            out = call_flat(self._jax_function(plan), plan, leaves, sites)
+            state = self._state(plan)
+            out = call_flat(state.jitted, plan, leaves, sites)
             result = merge_call(leaves, *out)
-        state = self._compiled(plan)
         state.note(out[0])
         remember(self._entries, key, plan, state, items, roots)
         return result
@@ -147,10 +144,7 @@ class JitWrapped(Generic[P, R]):
 
     def trace(self, *args: P.args, **kwargs: P.kwargs) -> Traced:
         """Traces for these arguments; see `jax.stages.Traced`."""
-        with nnx.update_context(TAG):
-            plan, leaves, sites, _ = split_call(self._spec, (*self._bound, *args), kwargs)
-            traced = call_flat(self._jax_function(plan).trace, plan, leaves, sites)
-        self._compiled(plan).note(traced.out_info[0])
+        plan, _, sites, traced = self._abstract("trace", args, kwargs)
         return Traced(traced, plan, sites, self._bound)
 
     def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered:
@@ -159,11 +153,18 @@ class JitWrapped(Generic[P, R]):
 
     def eval_shape(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         """The abstract outputs (modules included) of a call; changes no state."""
+        _, leaves, _, out = self._abstract("eval_shape", args, kwargs)
+        return merge_abstract(leaves, *out)
+
+    def _abstract(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Splits a call and runs ``jax.jit(...).trace`` or ``.eval_shape`` on it."""
         with nnx.update_context(TAG):
             plan, leaves, sites, _ = split_call(self._spec, (*self._bound, *args), kwargs)
-            out = call_flat(self._jax_function(plan).eval_shape, plan, leaves, sites)
-        self._compiled(plan).note(out[0])
-        return merge_abstract(leaves, *out)
+            state = self._state(plan)
+            result = call_flat(getattr(state.jitted, method), plan, leaves, sites)
+        out_info = result.out_info if method == "trace" else result
+        state.note(out_info[0])
+        return plan, leaves, sites, result
 
 
 @overload
