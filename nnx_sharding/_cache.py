@@ -14,16 +14,34 @@ and the call is redone on the full protocol.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import jax
 from flax import nnx
 
-from ._graph import CallPlan, CallSpec, Leaf, OutPlan, partition_args
+from ._graph import (
+    FAST_CALL,
+    TAG,
+    CallPlan,
+    CallSpec,
+    Leaf,
+    NeedsTrace,
+    OutPlan,
+    call_flat,
+    merge_abstract,
+    merge_call,
+    partition_args,
+    split_call,
+)
 from ._sharding import is_node
 from ._snapshot import Snapshot, Uncacheable
+from ._stages import Lowered, Traced
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 MAX_ENTRIES = 64
 """Cached splits per transform; an entry also goes when one of its modules dies."""
@@ -135,3 +153,90 @@ class Entry:
             next(out_flat) if source is None else roots[source] for source in out_plan.out_sources
         ]
         return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
+
+
+class CachedCall(Generic[P, R]):
+    """The call path every transform shares: the fast path, else split, run, merge.
+
+    A subclass says how one `CallPlan` becomes a jax-level function (`_build`,
+    a ``jax.jit`` over the flat ``(donated, kept)`` leaves whose inner function is
+    made by `_graph`'s steps 2 and 3); everything else is here.
+    """
+
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+    """The mesh that PartitionSpecs in the shardings refer to; None: the context's."""
+
+    def __init__(self, fun: Callable[P, R], spec: CallSpec):
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self._spec = spec
+        self._plans: dict[CallPlan, PlanState] = {}
+        self._entries: dict[CacheKey, Entry] = {}
+        self._bound: tuple[Any, ...] = ()
+
+    def _build(self, plan: CallPlan) -> Callable[..., Any]:
+        """The jitted function of one plan, taking ``plan.partition(leaves)``."""
+        raise NotImplementedError
+
+    def _state(self, plan: CallPlan) -> PlanState:
+        state = self._plans.get(plan)
+        if state is None:
+            state = self._plans[plan] = PlanState(self._build(plan))
+        return state
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        args = (*self._bound, *args)
+        key, call_leaves, roots = fast_key(self._spec, args, kwargs)
+        entry = self._entries.get(key)
+        if entry is not None and entry.state.fast and entry.valid(roots):
+            leaves = entry.leaves(call_leaves)
+            FAST_CALL.active = True
+            try:
+                out = entry.state.jitted(*entry.plan.partition(leaves))
+            except NeedsTrace:
+                pass
+            else:
+                return entry.merge(*out)
+            finally:
+                FAST_CALL.active = False
+        with nnx.update_context(TAG):
+            plan, leaves, sites, items = split_call(self._spec, args, kwargs)
+            state = self._state(plan)
+            out = call_flat(state.jitted, plan, leaves, sites, self.mesh)
+            result = merge_call(leaves, *out)
+        state.note(out[0])
+        if not any(isinstance(x, jax.core.Tracer) for x in leaves):  # not inside a trace
+            remember(self._entries, key, plan, state, items, roots)
+        return result
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__)
+        bound._bound = (obj,)
+        return bound
+
+    def trace(self, *args: P.args, **kwargs: P.kwargs) -> Traced:
+        """Traces for these arguments; see `jax.stages.Traced`."""
+        plan, _, sites, traced = self._abstract("trace", args, kwargs)
+        return Traced(traced, plan, sites, self._bound)
+
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered:
+        """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
+        return self.trace(*args, **kwargs).lower()
+
+    def eval_shape(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """The abstract outputs (modules included) of a call; changes no state."""
+        _, leaves, _, out = self._abstract("eval_shape", args, kwargs)
+        return merge_abstract(leaves, *out)
+
+    def _abstract(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Splits a call and runs ``jax.jit(...).trace`` or ``.eval_shape`` on it."""
+        with nnx.update_context(TAG):
+            plan, leaves, sites, _ = split_call(self._spec, (*self._bound, *args), kwargs)
+            state = self._state(plan)
+            result = call_flat(getattr(state.jitted, method), plan, leaves, sites, self.mesh)
+        out_info = result.out_info if method == "trace" else result
+        state.note(out_info[0])
+        return plan, leaves, sites, result

@@ -19,13 +19,14 @@ jax boundary in four steps, flax's ``update_context`` protocol (public API):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import DictKey, SequenceKey, keystr
 
 from . import _errors
@@ -67,6 +68,8 @@ class CallSpec:
     donate_argnames: frozenset[str] = frozenset()
     in_shardings: Any = None
     out_shardings: Any = None
+    in_name: str = "in_shardings"  # what the two prefixes are called in messages
+    out_name: str = "out_shardings"
 
 
 @dataclasses.dataclass(frozen=True, eq=True)
@@ -93,6 +96,14 @@ class CallPlan:
                 value = hash(tuple(f for f in fields if not isinstance(f, tuple)))
             object.__setattr__(self, "_hash", value)
             return value
+
+    @functools.cached_property
+    def state_indices(self) -> tuple[int, ...]:
+        """The flat indices of the leaves read from graph nodes (Variables)."""
+        flags = [
+            g is not None for g, n in zip(self.graphdefs, self.sizes, strict=True) for _ in range(n)
+        ]
+        return tuple(i for i, flag in enumerate(flags) if flag)
 
     def partition(self, leaves: Sequence[Leaf]) -> tuple[list[Leaf], list[Leaf]]:
         """Flat leaves -> (donated, kept): the two arguments of the jitted function."""
@@ -153,7 +164,7 @@ def _where(keypath: tuple[Any, ...], positions: Sequence[int]) -> str:
     return f"kwargs{keystr(rest)}" if rest else "kwargs"
 
 
-def _value(leaf: Any) -> Leaf:
+def value_of(leaf: Any) -> Leaf:
     return leaf.get_raw_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
@@ -192,15 +203,15 @@ def split_call(
     if spec.in_shardings is not None:
         entries[:n_arg_leaves] = broadcast_prefix(
             spec.transform,
-            "in_shardings",
+            spec.in_name,
             spec.in_shardings,
             dyn_args,
             lambda kp: _where((SequenceKey(0), *kp), positions),
         )
-        check_leaf_entries(spec.transform, "in_shardings", entries, call_leaves, wheres)
+        check_leaf_entries(spec.transform, spec.in_name, entries, call_leaves, wheres)
     table = variable_shardings(
         spec.transform,
-        "in_shardings",
+        spec.in_name,
         [(w, x, e) for w, x, e in zip(wheres, call_leaves, entries, strict=True) if is_node(x)],
     )
     donated_top = {SequenceKey(positions.index(i)) for i in spec.donate_argnums if i in positions}
@@ -216,7 +227,7 @@ def split_call(
                 sizes.append(len(flat.leaves))
                 items += flat.leaves
                 for path, item in zip(flat.paths, flat.leaves, strict=True):
-                    leaves.append(_value(item))
+                    leaves.append(value_of(item))
                     sites.append(Site(where, tuple(path)))
                     shardings.append(table.get(id(item), (None,))[0])
                     donate.append(is_donated)
@@ -272,177 +283,152 @@ def merge_inputs(plan: CallPlan, leaves: Sequence[Leaf]) -> tuple[tuple, dict, l
     return tuple(args), kwargs, call_leaves
 
 
-def inner_shardings(
-    plan: CallPlan, call_leaves: Sequence[Any]
-) -> dict[int, tuple[ShardingLike, str]]:
-    """``id(inner Variable) -> (sharding, path)`` for the freshly merged inputs."""
-    table: dict[int, tuple[ShardingLike, str]] = {}
-    if all(s is None for s in plan.shardings):
-        return table
-    chunks = _chunks(plan.shardings, plan.sizes)
-    with nnx.split_context() as ctx:
-        for leaf, chunk, where in zip(call_leaves, chunks, plan.wheres, strict=True):
-            if is_node(leaf):
-                _, flat = ctx.flatten(leaf)
-                for path, item, sharding in zip(flat.paths, flat.leaves, chunk, strict=True):
-                    if sharding is not None:
-                        table[id(item)] = (sharding, where + format_path(path))
-    return table
+class InnerSplit(NamedTuple):
+    """Step 3's split of the updated inputs and the output, before any sharding."""
+
+    in_graphdefs: tuple[GraphDef, ...]
+    in_sizes: tuple[int, ...]
+    in_items: list[Any]  # per input flat leaf: the Variable or array now there
+    out_treedef: jax.tree_util.PyTreeDef
+    out_graphdefs: tuple[GraphDef, ...]
+    out_sizes: tuple[int, ...]
+    out_items: list[Any]  # per output flat leaf
+    out_owner: list[int]  # per output flat leaf: the index of its output treedef leaf
+    out_paths: list[tuple[Any, ...] | None]  # per output flat leaf: its path in the node
+    out_leaves: list[Any]  # the output's treedef leaves (graph nodes are leaves)
+    out_wheres: list[str]  # per treedef leaf: ``output[0]``
+    out_entries: list[Any]  # per treedef leaf: its out_shardings/out_specs entry
+    kept_structure: bool  # the input graphs kept their structure
+    out_sources: tuple[int | None, ...] | None
+
+    def out_plan(self, in_changed: tuple[int, ...] | None) -> OutPlan:
+        return OutPlan(
+            self.in_graphdefs,
+            self.in_sizes,
+            self.out_treedef,
+            self.out_graphdefs,
+            self.out_sizes,
+            in_changed,
+            self.out_sources,
+        )
 
 
-def split_outputs(
-    plan: CallPlan,
-    call_leaves: Sequence[Any],
-    in_leaves: Sequence[Leaf],
-    before: Snapshot | None,
-    in_table: dict[int, tuple[ShardingLike, str]],
-    out: Any,
-) -> tuple[OutPlan, list[Leaf], list[Leaf]]:
-    """Step 3 (inside the trace): the updated inputs and the outputs, split together.
+def snapshots(call_leaves: Sequence[Any]) -> list[Snapshot] | None:
+    """Per input graph node, a `Snapshot`; None when one cannot be taken."""
+    try:
+        return [Snapshot((leaf,)) for leaf in call_leaves if is_node(leaf)]
+    except Uncacheable:
+        return None
 
-    ``in_leaves`` are the leaves the inputs were merged from, ``before`` a snapshot
-    of their graphs and ``in_table`` their shardings, all taken before the call.
+
+def split_inner(
+    plan: CallPlan, call_leaves: Sequence[Any], before: list[Snapshot] | None, out: Any
+) -> InnerSplit:
+    """Step 3 (inside the trace): the updated inputs and the output, split together.
+
+    ``before`` holds the snapshots of the inputs taken before the call (`snapshots`).
     """
-    transform = plan.spec.transform
+    spec = plan.spec
     keyed, out_treedef = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_node)
     out_leaves = [leaf for _, leaf in keyed]
     wheres = [f"output{keystr(kp)}" for kp, _ in keyed]
-    entries = [None] * len(out_leaves)
-    if plan.spec.out_shardings is not None:
+    entries: list[Any] = [None] * len(out_leaves)
+    if spec.out_shardings is not None:
         entries = broadcast_prefix(
-            transform,
-            "out_shardings",
-            plan.spec.out_shardings,
-            out,
-            lambda kp: f"output{keystr(kp)}",
+            spec.transform, spec.out_name, spec.out_shardings, out, lambda kp: f"output{keystr(kp)}"
         )
-        check_leaf_entries(transform, "out_shardings", entries, out_leaves, wheres)
-    out_table = variable_shardings(
-        transform,
-        "out_shardings",
-        [(w, x, e) for w, x, e in zip(wheres, out_leaves, entries, strict=True) if is_node(x)],
-    )
+        check_leaf_entries(spec.transform, spec.out_name, entries, out_leaves, wheres)
 
-    conflicts: list[str] = []
-
-    def constrain(item: Any, sharding: ShardingLike) -> Leaf:
-        value = _value(item)
-        (inner, in_site), (outer, out_site) = (
-            in_table.get(id(item), (None, "")),
-            out_table.get(id(item), (None, "")),
-        )
-        if inner is not None and outer is not None and inner != outer:
-            conflicts.append(
-                f"the Variable at {in_site} gets {inner!r} as an input, "
-                f"and as {out_site} gets {outer!r} as an output"
-            )
-        sharding = sharding if sharding is not None else (outer if outer is not None else inner)
-        if sharding is None or not isinstance(value, jax.Array):
-            return value
-        return jax.lax.with_sharding_constraint(value, sharding)
-
-    def split_all(leaves: Sequence[Any], entries: Sequence[ShardingLike]):
-        graphdefs, sizes, values, flat_leaves = [], [], [], []
-        for leaf, entry in zip(leaves, entries, strict=True):
+    def flatten_all(leaves: Sequence[Any]) -> tuple[tuple, tuple, list, list[int], list]:
+        graphdefs, sizes, items, owner, paths = [], [], [], [], []
+        for k, leaf in enumerate(leaves):
             if is_node(leaf):
                 graphdef, flat = ctx.flatten(leaf)
-                graphdefs.append(graphdef)
-                sizes.append(len(flat.leaves))
-                values += [_value(item) for item in flat.leaves]
-                flat_leaves += [constrain(item, None) for item in flat.leaves]
+                items += flat.leaves
+                paths += [tuple(p) for p in flat.paths]
             else:
-                graphdefs.append(None)
-                sizes.append(1)
-                values.append(leaf)
-                flat_leaves.append(constrain(leaf, entry))
-        return tuple(graphdefs), tuple(sizes), values, flat_leaves
+                graphdef, flat = None, None
+                items.append(leaf)
+                paths.append(None)
+            graphdefs.append(graphdef)
+            sizes.append(1 if flat is None else len(flat.leaves))
+            owner += [k] * sizes[-1]
+        return tuple(graphdefs), tuple(sizes), items, owner, paths
 
     with nnx.split_context(TAG) as ctx:
-        in_graphdefs, in_sizes, values, in_flat = split_all(call_leaves, [None] * len(call_leaves))
-        out_graphdefs, out_sizes, _, out_flat = split_all(out_leaves, entries)
-    if conflicts:
-        raise ValueError(
-            _errors.aliased_shardings(transform, "in_shardings/out_shardings", conflicts)
-        )
-
-    in_changed = None
-    if before is not None and before.fresh():
-        is_state = [
-            g is not None
-            for g, size in zip(plan.graphdefs, plan.sizes, strict=True)
-            for _ in range(size)
-        ]
-        in_changed = tuple(
-            i
-            for i, (new, old) in enumerate(zip(values, in_leaves, strict=True))
-            # changed, resharded (constrained) or donated: the caller needs the new array
-            if is_state[i] and (new is not old or in_flat[i] is not old or plan.donate[i])
-        )
-        in_flat = [in_flat[i] for i in in_changed]
+        in_graphdefs, in_sizes, in_items, _, _ = flatten_all(call_leaves)
+        out_graphdefs, out_sizes, out_items, out_owner, out_paths = flatten_all(out_leaves)
     inputs = [leaf for leaf in call_leaves if is_node(leaf)]
     sources = [
         None if not is_node(leaf) else next((k for k, x in enumerate(inputs) if x is leaf), -1)
         for leaf in out_leaves
     ]
-    out_sources = None if -1 in sources else tuple(sources)
-    out_plan = OutPlan(
-        in_graphdefs, in_sizes, out_treedef, out_graphdefs, out_sizes, in_changed, out_sources
+    return InnerSplit(
+        in_graphdefs,
+        in_sizes,
+        in_items,
+        out_treedef,
+        out_graphdefs,
+        out_sizes,
+        out_items,
+        out_owner,
+        out_paths,
+        out_leaves,
+        wheres,
+        entries,
+        before is not None and all(s.fresh() for s in before),
+        None if -1 in sources else tuple(sources),
     )
-    return out_plan, in_flat, out_flat
 
 
-def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
-    """The function jax traces: steps 2 and 3 around ``fun``."""
-
-    def inner(donated: list[Leaf], kept: list[Leaf]) -> tuple[OutPlan, list[Leaf], list[Leaf]]:
-        if FAST_CALL.active:
-            raise NeedsTrace
-        leaves = plan.join(donated, kept)
-        args, kwargs, call_leaves = merge_inputs(plan, leaves)
-        in_table = inner_shardings(plan, call_leaves)
-        try:
-            before = Snapshot(tuple(leaf for leaf in call_leaves if is_node(leaf)))
-        except Uncacheable:
-            before = None
-        out = fun(*args, **kwargs)
-        return split_outputs(plan, call_leaves, leaves, before, in_table, out)
-
-    inner.__name__ = getattr(fun, "__name__", "fun")
-    inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
-    return inner
+def changed_structure(plan: CallPlan, before: list[Snapshot] | None) -> list[str]:
+    """The arguments whose graph structure the call changed (all, if unknown)."""
+    wheres = [w for w, g in zip(plan.wheres, plan.graphdefs, strict=True) if g is not None]
+    if before is None:
+        return wheres
+    return [w for w, s in zip(wheres, before, strict=True) if not s.fresh()]
 
 
 def call_flat(
-    fn: Callable[..., Any], plan: CallPlan, leaves: Sequence[Leaf], sites: Sequence[Site]
+    fn: Callable[..., Any],
+    plan: CallPlan,
+    leaves: Sequence[Leaf],
+    sites: Sequence[Site],
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> Any:
     """Calls a jax-level function (jitted, traced or compiled) on the flat leaves.
 
     jax's errors about one flat argument (``kept[3]``) are re-raised naming the
-    caller's argument and Variable path instead.
+    caller's argument and Variable path instead. ``mesh`` is the one specs refer to
+    (None: the context mesh).
     """
     try:
         return fn(*plan.partition(leaves))
     except (ValueError, TypeError) as e:
         message = _errors.name_leaves(str(e), *plan.partition(sites))
         if message == str(e):
-            wrong = incompatible_shardings(leaves, plan.shardings, sites)
+            wrong = incompatible_shardings(leaves, plan.shardings, sites, mesh)
             if not wrong:
                 raise
-            message = _errors.bad_shardings(plan.spec.transform, wrong, str(e))
+            message = _errors.bad_shardings(plan.spec.transform, plan.spec.in_name, wrong, str(e))
         raise type(e)(message).with_traceback(e.__traceback__) from None
 
 
 def incompatible_shardings(
-    leaves: Sequence[Leaf], shardings: Sequence[ShardingLike], sites: Sequence[Site]
+    leaves: Sequence[Leaf],
+    shardings: Sequence[ShardingLike],
+    sites: Sequence[Site],
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> list[str]:
     """Every leaf whose shape its sharding cannot split, described for an error."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     found = []
     for leaf, sharding, site in zip(leaves, shardings, sites, strict=True):
         if sharding is None or not hasattr(leaf, "shape"):
             continue
         try:
             if isinstance(sharding, PartitionSpec):
-                sharding = NamedSharding(jax.sharding.get_abstract_mesh(), sharding)
+                sharding = NamedSharding(mesh, sharding)
             sharding.shard_shape(tuple(leaf.shape))
         except Exception as e:  # noqa: BLE001 - jax raises several types here
             found.append(f"{site}: shape {tuple(leaf.shape)} with {sharding}: {e}")

@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 from flax import nnx
 
-from ._cache import CacheKey, Entry, PlanState, fast_key, remember
+from . import _errors
+from ._cache import CachedCall
 from ._graph import (
     FAST_CALL,
-    TAG,
     CallPlan,
     CallSpec,
+    InnerSplit,
+    Leaf,
     NeedsTrace,
-    call_flat,
-    make_inner,
-    merge_abstract,
-    merge_call,
-    split_call,
+    merge_inputs,
+    snapshots,
+    split_inner,
+    value_of,
 )
-from ._stages import Lowered, Traced
+from ._sharding import ShardingLike, format_path, is_node, variable_shardings
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -56,7 +56,7 @@ def resolve_argnums(
     return frozenset(nums), frozenset(names)
 
 
-class JitWrapped(Generic[P, R]):
+class JitWrapped(CachedCall[P, R]):
     """A jitted function over NNX graph nodes; what `jit` returns.
 
     Call it like the wrapped function. ``trace``, ``lower`` and ``eval_shape``
@@ -79,13 +79,12 @@ class JitWrapped(Generic[P, R]):
         inline: bool = False,
         compiler_options: dict[str, Any] | None = None,
     ):
-        functools.update_wrapper(self, fun)
-        self.fun = fun
         static = resolve_argnums(fun, static_argnums, static_argnames)
         donate = resolve_argnums(fun, donate_argnums, donate_argnames)
-        self._spec = CallSpec(
+        spec = CallSpec(
             "jit", *static, *donate, in_shardings=in_shardings, out_shardings=out_shardings
         )
+        super().__init__(fun, spec)
         self._jit_options = dict(
             keep_unused=keep_unused,
             device=device,
@@ -93,78 +92,104 @@ class JitWrapped(Generic[P, R]):
             inline=inline,
             compiler_options=compiler_options,
         )
-        self._plans: dict[CallPlan, PlanState] = {}
-        self._entries: dict[CacheKey, Entry] = {}
-        self._bound: tuple[Any, ...] = ()
 
-    def _state(self, plan: CallPlan) -> PlanState:
-        """The ``jax.jit`` function of one plan; created once, then cached."""
-        state = self._plans.get(plan)
-        if state is None:
-            options: dict[str, Any] = {k: v for k, v in self._jit_options.items() if v}
-            if any(s is not None for s in plan.shardings):
-                options["in_shardings"] = plan.partition(plan.shardings)
-            if any(plan.donate):
-                options["donate_argnums"] = 0
-            state = PlanState(jax.jit(make_inner(self.fun, plan), **options))
-            self._plans[plan] = state
-        return state
+    def _build(self, plan: CallPlan) -> Callable[..., Any]:
+        options: dict[str, Any] = {k: v for k, v in self._jit_options.items() if v}
+        if any(s is not None for s in plan.shardings):
+            options["in_shardings"] = plan.partition(plan.shardings)
+        if any(plan.donate):
+            options["donate_argnums"] = 0
+        return jax.jit(make_inner(self.fun, plan), **options)
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        args = (*self._bound, *args)
-        key, call_leaves, roots = fast_key(self._spec, args, kwargs)
-        entry = self._entries.get(key)
-        if entry is not None and entry.state.fast and entry.valid(roots):
-            leaves = entry.leaves(call_leaves)
-            FAST_CALL.active = True
-            try:
-                out = entry.state.jitted(*entry.plan.partition(leaves))
-            except NeedsTrace:
-                pass
-            else:
-                return entry.merge(*out)
-            finally:
-                FAST_CALL.active = False
-        with nnx.update_context(TAG):
-            plan, leaves, sites, items = split_call(self._spec, args, kwargs)
-            state = self._state(plan)
-            out = call_flat(state.jitted, plan, leaves, sites)
-            result = merge_call(leaves, *out)
-        state.note(out[0])
-        remember(self._entries, key, plan, state, items, roots)
-        return result
 
-    def __get__(self, obj: Any, objtype: type | None = None) -> JitWrapped[P, R]:
-        if obj is None:
-            return self
-        bound = object.__new__(type(self))
-        bound.__dict__.update(self.__dict__)
-        bound._bound = (obj,)
-        return bound
+def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
+    """The function jax traces: `_graph`'s steps 2 and 3 around ``fun``."""
 
-    def trace(self, *args: P.args, **kwargs: P.kwargs) -> Traced:
-        """Traces for these arguments; see `jax.stages.Traced`."""
-        plan, _, sites, traced = self._abstract("trace", args, kwargs)
-        return Traced(traced, plan, sites, self._bound)
+    def inner(donated: list[Leaf], kept: list[Leaf]) -> tuple[Any, list[Leaf], list[Leaf]]:
+        if FAST_CALL.active:
+            raise NeedsTrace
+        leaves = plan.join(donated, kept)
+        args, kwargs, call_leaves = merge_inputs(plan, leaves)
+        in_table = _inner_shardings(plan, call_leaves)
+        before = snapshots(call_leaves)
+        out = fun(*args, **kwargs)
+        return _constrain(plan, leaves, in_table, split_inner(plan, call_leaves, before, out))
 
-    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered:
-        """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
-        return self.trace(*args, **kwargs).lower()
+    inner.__name__ = getattr(fun, "__name__", "fun")
+    inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
+    return inner
 
-    def eval_shape(self, *args: P.args, **kwargs: P.kwargs) -> Any:
-        """The abstract outputs (modules included) of a call; changes no state."""
-        _, leaves, _, out = self._abstract("eval_shape", args, kwargs)
-        return merge_abstract(leaves, *out)
 
-    def _abstract(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Splits a call and runs ``jax.jit(...).trace`` or ``.eval_shape`` on it."""
-        with nnx.update_context(TAG):
-            plan, leaves, sites, _ = split_call(self._spec, (*self._bound, *args), kwargs)
-            state = self._state(plan)
-            result = call_flat(getattr(state.jitted, method), plan, leaves, sites)
-        out_info = result.out_info if method == "trace" else result
-        state.note(out_info[0])
-        return plan, leaves, sites, result
+SiteShardings = dict[int, tuple[ShardingLike, str]]
+"""``id(Variable) -> (sharding, path)``."""
+
+
+def _inner_shardings(plan: CallPlan, call_leaves: Sequence[Any]) -> SiteShardings:
+    """The in_shardings of the freshly merged inner Variables."""
+    table: SiteShardings = {}
+    if all(s is None for s in plan.shardings):
+        return table
+    start = 0
+    with nnx.split_context() as ctx:
+        for leaf, size, where in zip(call_leaves, plan.sizes, plan.wheres, strict=True):
+            if is_node(leaf):
+                _, flat = ctx.flatten(leaf)
+                chunk = plan.shardings[start : start + size]
+                for path, item, sharding in zip(flat.paths, flat.leaves, chunk, strict=True):
+                    if sharding is not None:
+                        table[id(item)] = (sharding, where + format_path(path))
+            start += size
+    return table
+
+
+def _constrain(
+    plan: CallPlan, in_leaves: Sequence[Leaf], in_table: SiteShardings, split: InnerSplit
+) -> tuple[Any, list[Leaf], list[Leaf]]:
+    """Applies in/out shardings to the split outputs (``with_sharding_constraint``).
+
+    Returns the `OutPlan`, the input leaves the caller needs back (all of them if
+    the structure changed; else the changed, resharded or donated ones) and the
+    output leaves.
+    """
+    spec = plan.spec
+    nodes = zip(split.out_wheres, split.out_leaves, split.out_entries, strict=True)
+    out_table = variable_shardings(
+        spec.transform, spec.out_name, [(w, x, e) for w, x, e in nodes if is_node(x)]
+    )
+    conflicts: list[str] = []
+
+    def constrain(item: Any, entry: ShardingLike) -> Leaf:
+        value = value_of(item)
+        (inner, in_site), (outer, out_site) = (
+            in_table.get(id(item), (None, "")),
+            out_table.get(id(item), (None, "")),
+        )
+        if inner is not None and outer is not None and inner != outer:
+            conflicts.append(
+                f"the Variable at {in_site} gets {inner!r} as an input, "
+                f"and as {out_site} gets {outer!r} as an output"
+            )
+        sharding = entry if entry is not None else (outer if outer is not None else inner)
+        if sharding is None or not isinstance(value, jax.Array):
+            return value
+        return jax.lax.with_sharding_constraint(value, sharding)
+
+    in_flat = [constrain(item, None) for item in split.in_items]
+    out_flat = [
+        constrain(item, None if is_node(split.out_leaves[k]) else split.out_entries[k])
+        for item, k in zip(split.out_items, split.out_owner, strict=True)
+    ]
+    if conflicts:
+        raise ValueError(
+            _errors.aliased_shardings(spec.transform, "in_shardings/out_shardings", conflicts)
+        )
+    if not split.kept_structure:
+        return split.out_plan(None), in_flat, out_flat
+    # changed, resharded (constrained) or donated: the caller needs the new array
+    changed = tuple(
+        i for i in plan.state_indices if in_flat[i] is not in_leaves[i] or plan.donate[i]
+    )
+    return split.out_plan(changed), [in_flat[i] for i in changed], out_flat
 
 
 @overload

@@ -104,9 +104,13 @@ class StateSharding:
 
     def sharding_for(self, path: Path, value: Any) -> ShardingLike:
         """The sharding of the Variable ``value`` found at ``path`` (first match wins)."""
-        for predicate, sharding in zip(self._predicates, self.shardings, strict=True):
+        return self.shardings[self.index_for(path, value)]
+
+    def index_for(self, path: Path, value: Any) -> int:
+        """The index of the first filter that matches the Variable ``value`` at ``path``."""
+        for i, predicate in enumerate(self._predicates):
             if predicate(path, value):
-                return sharding
+                return i
         raise ValueError(
             _errors.no_filter_matched(
                 format_path(path) or "<root>", type(value).__name__, self.filters

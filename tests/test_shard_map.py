@@ -1,0 +1,326 @@
+"""`shard_map` over graph nodes, checked against eager single-device references."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import nnx_sharding as ns
+
+AUTO = (AxisType.Auto, AxisType.Auto)
+
+
+@pytest.fixture
+def mesh():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, din=4, hidden=16):
+        self.l1 = nnx.Linear(din, hidden, use_bias=False, rngs=rngs)
+        self.l2 = nnx.Linear(hidden, din, use_bias=False, rngs=rngs)
+        self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        return self.l2(self.l1(x))
+
+
+MEGATRON = ns.StateSharding(
+    {
+        nnx.All(nnx.Param, nnx.PathContains("l1")): P(None, "model"),
+        nnx.All(nnx.Param, nnx.PathContains("l2")): P("model", None),
+        ...: P(),
+    }
+)
+X = jnp.arange(32, dtype=jnp.float32).reshape(8, 4) / 10
+
+
+def test_megatron_forward_matches_reference_and_sees_local_shards(mesh):
+    model = MLP(nnx.Rngs(0))
+    seen = []
+
+    @ns.shard_map(mesh=mesh, in_specs=(MEGATRON, P("data")), out_specs=P("data"))
+    def forward(m, x):
+        seen.append((m.l1.kernel.shape, m.l2.kernel.shape, m.count.shape, x.shape))
+        return jax.lax.psum(m(x), "model")
+
+    out = forward(model, X)
+    np.testing.assert_allclose(out, model(X), rtol=1e-6, atol=1e-6)
+    assert seen == [((4, 4), (4, 4), (), (4, 4))]
+    assert out.sharding.spec == P("data")
+
+
+def test_one_spec_applies_to_every_variable_of_a_node(mesh):
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    seen = []
+
+    @ns.shard_map(mesh=mesh, in_specs=(P("model"),), out_specs=P("model"))
+    def shapes(m):
+        seen.append((m.kernel.shape, m.bias.shape))
+        return m.kernel[...]
+
+    np.testing.assert_array_equal(shapes(model), model.kernel[...])
+    assert seen == [((2, 8), (2,))]
+
+
+def test_mesh_from_context(mesh):
+    model = MLP(nnx.Rngs(0))
+    forward = ns.shard_map(
+        lambda m, x: jax.lax.psum(m(x), "model"),
+        in_specs=(MEGATRON, P("data")),
+        out_specs=P("data"),
+    )
+    with jax.set_mesh(mesh):
+        out = forward(model, X)
+    np.testing.assert_allclose(out, model(X), rtol=1e-6, atol=1e-6)
+
+
+def test_no_mesh_anywhere_is_a_clear_error():
+    forward = ns.shard_map(lambda m: m.kernel[...], in_specs=(P(),), out_specs=P())
+    with pytest.raises(ValueError, match=r"(?s)shard_map: mesh: no mesh was given .*jax\.set_mesh"):
+        forward(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+def test_counter_and_batchnorm_statistics_reach_the_caller(mesh):
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.bn = nnx.BatchNorm(4, momentum=0.5, rngs=rngs)
+            self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+    net, ref = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 4))
+
+    @ns.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    def step(n, x):
+        n.count[...] += 1
+        # per-shard statistics, averaged over the data axis: the global batch statistics
+        mean = jax.lax.pmean(x.mean(0), "data")
+        var = jax.lax.pmean((x**2).mean(0), "data") - mean**2
+        n.bn.mean[...] = 0.5 * n.bn.mean[...] + 0.5 * mean
+        n.bn.var[...] = 0.5 * n.bn.var[...] + 0.5 * var
+        return x - mean
+
+    out = step(net, x)
+    ref.bn(x)  # eager reference on the whole batch (train mode updates the statistics)
+    np.testing.assert_allclose(out, x - x.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(net.bn.mean[...], ref.bn.mean[...], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(net.bn.var[...], ref.bn.var[...], rtol=1e-5, atol=1e-5)
+    assert int(net.count[...]) == 1
+    step(net, x)
+    assert int(net.count[...]) == 2
+
+
+def test_updates_are_laid_out_by_the_variables_spec(mesh):
+    model = MLP(nnx.Rngs(0))
+    kernel = np.asarray(model.l1.kernel[...])
+
+    @ns.shard_map(mesh=mesh, in_specs=(MEGATRON,), out_specs=P())
+    def scale(m):
+        m.l1.kernel[...] *= 2.0
+        return m.count[...]
+
+    scale(model)
+    np.testing.assert_allclose(model.l1.kernel[...], 2 * kernel)
+    assert model.l1.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_structure_change_inside_is_a_clear_error_and_changes_nothing(mesh):
+    model = MLP(nnx.Rngs(0))
+    kernel = model.l1.kernel
+
+    @ns.shard_map(mesh=mesh, in_specs=(MEGATRON,), out_specs=P())
+    def grow(m):
+        m.extra = nnx.Param(jnp.ones(()))
+        return m.count[...]
+
+    with pytest.raises(ValueError, match=r"shard_map: arguments: .*graph structure of args\[0\]"):
+        grow(model)
+    assert not hasattr(model, "extra") and model.l1.kernel is kernel
+
+
+def test_shared_references_and_outputs_that_are_inputs(mesh):
+    model = MLP(nnx.Rngs(0))
+    model.alias = model.l1  # the same submodule under two names
+
+    @ns.shard_map(mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()))
+    def same(m, other):
+        assert m.alias is m.l1 and other is m.l1
+        m.count[...] += 1
+        return m, other
+
+    m, other = same(model, model.l1)
+    assert m is model and other is model.l1 and model.alias is model.l1
+    assert int(model.count[...]) == 1
+
+
+def test_new_module_in_output_with_state_sharding(mesh):
+    model = MLP(nnx.Rngs(0))
+
+    @ns.shard_map(mesh=mesh, in_specs=(MEGATRON,), out_specs=MEGATRON)
+    def copy(m):
+        return MLP(nnx.Rngs(0))
+
+    new = copy(model)
+    assert new is not model
+    # each of the 4 'model' shards made a whole (4, 16) kernel: concatenated on 'model'
+    assert new.l1.kernel.shape == (4, 64) and new.l2.kernel.shape == (64, 4)
+    assert new.l1.kernel[...].sharding.spec == P(None, "model")
+
+
+def test_state_sharding_above_several_nodes_is_refused(mesh):
+    f = ns.shard_map(lambda m: (m, m.l1), mesh=mesh, in_specs=(P(),), out_specs=MEGATRON)
+    with pytest.raises(ValueError, match=r"StateSharding stands at output, which is not a single"):
+        f(MLP(nnx.Rngs(0)))
+
+
+def test_in_specs_not_a_prefix(mesh):
+    f = ns.shard_map(lambda m, x: x, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P())
+    with pytest.raises(ValueError, match=r"shard_map: in_specs: is not a pytree prefix"):
+        f(MLP(nnx.Rngs(0)), X)
+
+
+def test_fast_path_does_not_retrace(mesh):
+    model = MLP(nnx.Rngs(0))
+    traces = []
+
+    @ns.shard_map(mesh=mesh, in_specs=(MEGATRON, P("data")), out_specs=P("data"))
+    def forward(m, x):
+        traces.append(1)
+        m.count[...] += 1
+        return jax.lax.psum(m(x), "model")
+
+    forward(model, X)  # the first call moves the counter onto the mesh: jax traces again
+    forward(model, X)
+    warm = len(traces)
+    for _ in range(5):
+        forward(model, X)
+    assert warm <= 2 and len(traces) == warm and int(model.count[...]) == 7
+
+
+def test_jit_of_shard_map_and_its_stages(mesh):
+    model = MLP(nnx.Rngs(0))
+    inner = ns.shard_map(
+        lambda m, x: jax.lax.psum(m(x), "model"),
+        mesh=mesh,
+        in_specs=(MEGATRON, P("data")),
+        out_specs=P("data"),
+    )
+
+    @ns.jit
+    def outer(m, x):
+        m.count[...] += 1
+        return inner(m, x) * 2
+
+    np.testing.assert_allclose(outer(model, X), 2 * model(X), rtol=1e-5, atol=1e-6)
+    compiled = outer.lower(model, X).compile()
+    np.testing.assert_allclose(compiled(model, X), 2 * model(X), rtol=1e-5, atol=1e-6)
+    assert int(model.count[...]) == 2
+    assert "all-reduce" in compiled.as_text()
+
+
+def test_shard_map_body_calls_a_jitted_function(mesh):
+    model = MLP(nnx.Rngs(0))
+    layer = ns.jit(lambda m, x: m.l2(m.l1(x)))
+
+    @ns.shard_map(mesh=mesh, in_specs=(MEGATRON, P("data")), out_specs=P("data"))
+    def forward(m, x):
+        return jax.lax.psum(layer(m, x), "model")
+
+    np.testing.assert_allclose(forward(model, X), model(X), rtol=1e-5, atol=1e-6)
+
+
+def test_partial_manual_axes(mesh):
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    seen = []
+
+    @ns.shard_map(mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"), axis_names={"data"})
+    def forward(m, x):
+        seen.append(x.shape)
+        return m(x)
+
+    np.testing.assert_allclose(forward(model, X), model(X), rtol=1e-6, atol=1e-6)
+    assert seen == [(4, 4)]  # only 'data' is manual: 8 rows over 2 shards
+
+
+def test_check_vma_false_passes_through(mesh):
+    f = ns.shard_map(lambda x: x, mesh=mesh, in_specs=(P("data"),), out_specs=P())
+    with pytest.raises(ValueError, match="out_specs"):
+        f(X)  # a varying value under a replicated out_spec: refused by jax's check
+    g = ns.shard_map(lambda x: x, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=False)
+    assert g(X).shape == (4, 4)
+
+
+def test_old_spellings_are_mapped_with_a_warning(mesh):
+    seen = []
+
+    def body(x):
+        seen.append(x.shape)
+        return x
+
+    with pytest.warns(DeprecationWarning, match=re.escape("`check_rep` is deprecated")):
+        f = ns.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_rep=False)
+    assert f(X).shape == (4, 4)
+    with pytest.warns(DeprecationWarning, match=re.escape("`auto` is deprecated")):
+        g = ns.shard_map(
+            body, mesh=mesh, in_specs=(P("data"),), out_specs=P("data"), auto={"model"}
+        )
+    np.testing.assert_array_equal(g(X), X)
+    assert seen == [(4, 4), (4, 4)]
+
+
+def test_explicit_axes_jit_shows_variable_shardings():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))  # Explicit by default
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        model.kernel.set_value(jax.device_put(model.kernel[...], P(None, "model")))
+        x = jax.device_put(X, P("data"))
+        types = []
+
+        @ns.jit
+        def forward(m, x):
+            types.append((str(jax.typeof(m.kernel[...])), str(jax.typeof(x))))
+            return m(x)
+
+        out = forward(model, x)
+    assert types == [("float32[4,8@model]", "float32[8@data,4]")]
+    np.testing.assert_allclose(out, X @ model.kernel[...] + model.bias[...], rtol=1e-5)
+
+
+def test_explicit_axes_infer_in_specs():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        model.kernel.set_value(jax.device_put(model.kernel[...], P(None, "model")))
+        x = jax.device_put(X, P("data"))
+        seen = []
+
+        @ns.shard_map(out_specs=P("data"))
+        def forward(m, x):
+            seen.append((m.kernel.shape, m.bias.shape, x.shape))
+            return jax.lax.psum(x @ m.kernel[...], "model").sum(-1, keepdims=True)
+
+        out = forward(model, x)
+    assert seen == [((4, 2), (8,), (4, 4))]
+    np.testing.assert_allclose(out, (X @ model.kernel[...]).sum(-1, keepdims=True), rtol=1e-5)
+
+
+def test_explicit_axes_reshard_to_given_in_specs():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))  # not sharded yet
+    f = ns.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    np.testing.assert_allclose(f(model, X), model(X), rtol=1e-6)
+
+
+def test_infer_on_auto_axes_is_a_clear_error(mesh):
+    f = ns.shard_map(lambda x: x, mesh=mesh, out_specs=P())
+    with pytest.raises(
+        TypeError,
+        match=r"shard_map: in_specs: 2 problems:\n  - in_specs is None, but mesh axis 'data' "
+        r"is not Explicit",
+    ):
+        f(X)
