@@ -15,6 +15,7 @@ and the call is redone on the full protocol.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -117,13 +118,26 @@ class Entry:
         self.items = items
         self.snapshot = Snapshot(tuple(roots))
         self.roots = [weakref.ref(r, on_death) for r in roots]
-        self.template: list[Leaf] = [None if isinstance(x, nnx.Variable) else x for x in items]
-        for slot in call_slots:  # an argument's arrays come from each call, not the first
-            if slot is not None:
-                self.template[slot] = None
-        self.variable_slots = [i for i, x in enumerate(items) if isinstance(x, nnx.Variable)]
-        self.variables = [items[i] for i in self.variable_slots]
-        self.call_slots = call_slots  # per call leaf: flat index of an array leaf, or None
+        # Each call's flat leaves are picked, in one C-level step per jit argument, from
+        # `sources`: the Variables' current values, then the call's leaves, then constants
+        # (arrays that graph nodes hold outside Variables).
+        self.variables = [x for x in items if isinstance(x, nnx.Variable)]
+        source_of: list[int] = []
+        constants: list[Leaf] = []
+        slot_source = {slot: c for c, slot in enumerate(call_slots) if slot is not None}
+        n_var, n_call, k = len(self.variables), len(call_slots), 0
+        for i, x in enumerate(items):
+            if isinstance(x, nnx.Variable):
+                source_of.append(k)
+                k += 1
+            elif i in slot_source:  # an argument's arrays come from each call, not the first
+                source_of.append(n_var + slot_source[i])
+            else:
+                source_of.append(n_var + n_call + len(constants))
+                constants.append(x)
+        self.constants = constants
+        self.pick_donated, self.pick_kept = (_picker(idx) for idx in plan.partition(source_of))
+        self._setters: tuple[OutPlan | None, list[Callable[[Leaf], None]]] = (None, [])
 
     def valid(self, roots: list[Any]) -> bool:
         """Same objects as when cached, with the same structure."""
@@ -132,27 +146,38 @@ class Entry:
             and self.snapshot.fresh()
         )
 
-    def leaves(self, call_leaves: list[Any]) -> list[Leaf]:
-        """The flat leaves of this call: current Variable values, current arrays."""
-        leaves = self.template.copy()
-        for i, variable in zip(self.variable_slots, self.variables, strict=True):
-            leaves[i] = variable.get_raw_value()
-        for slot, leaf in zip(self.call_slots, call_leaves, strict=True):
-            if slot is not None:
-                leaves[slot] = leaf
-        return leaves
+    def arguments(self, call_leaves: list[Any]) -> tuple[list[Leaf], list[Leaf]]:
+        """The jitted function's ``(donated, kept)`` for this call."""
+        sources = [*map(_raw_value, self.variables), *call_leaves, *self.constants]
+        return self.pick_donated(sources), self.pick_kept(sources)
 
     def merge(self, out_plan: OutPlan, changed: list[Leaf], out_flat: list[Leaf]) -> Any:
         """Writes the changed Variables back and builds the output."""
         assert out_plan.in_changed is not None and out_plan.out_sources is not None
-        for i, value in zip(out_plan.in_changed, changed, strict=True):
-            self.items[i].set_raw_value(value)
+        if self._setters[0] is not out_plan:  # one OutPlan object per trace
+            self._setters = (out_plan, [self.items[i].set_raw_value for i in out_plan.in_changed])
+        for set_value, value in zip(self._setters[1], changed, strict=True):
+            set_value(value)
         out_flat = iter(out_flat)
         roots = [ref() for ref in self.roots]
         out_leaves = [
             next(out_flat) if source is None else roots[source] for source in out_plan.out_sources
         ]
         return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
+
+
+_raw_value = nnx.Variable.get_raw_value
+
+
+def _picker(indices: list[int]) -> Callable[[list[Leaf]], list[Leaf]]:
+    """``lambda xs: [xs[i] for i in indices]``, at C speed."""
+    if len(indices) == 0:
+        return lambda xs: []
+    if len(indices) == 1:
+        (i,) = indices
+        return lambda xs: [xs[i]]
+    get = operator.itemgetter(*indices)
+    return lambda xs: list(get(xs))
 
 
 class CachedCall(Generic[P, R]):
@@ -189,10 +214,10 @@ class CachedCall(Generic[P, R]):
         key, call_leaves, roots = fast_key(self._spec, args, kwargs)
         entry = self._entries.get(key)
         if entry is not None and entry.state.fast and entry.valid(roots):
-            leaves = entry.leaves(call_leaves)
+            donated, kept = entry.arguments(call_leaves)
             FAST_CALL.active = True
             try:
-                out = entry.state.jitted(*entry.plan.partition(leaves))
+                out = entry.state.jitted(donated, kept)
             except NeedsTrace:
                 pass
             else:

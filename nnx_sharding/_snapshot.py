@@ -36,17 +36,12 @@ class Snapshot:
                 self._others.append(obj)
             elif nnx_graph.is_graph_node(obj):
                 raise Uncacheable(type(obj).__name__)
-        self._skip: list[int] = []
         self._keys, self._values = self._read()
         self._skip = [i for i, key in enumerate(self._keys) if key in BOOKKEEPING]
-        for i in self._skip:
-            self._values[i] = None
 
     def _read(self) -> tuple[list[Any], list[Any]]:
         keys = [*chain.from_iterable(self._dicts)]
         values = [*chain.from_iterable(map(dict.values, self._dicts))]
-        for i in self._skip:
-            values[i] = None
         for obj in self._others:
             items = list(obj.items()) if isinstance(obj, Mapping) else list(enumerate(obj))
             keys += [k for k, _ in items]
@@ -56,4 +51,17 @@ class Snapshot:
     def fresh(self) -> bool:
         """True when no container gained, lost or replaced a value since the snapshot."""
         keys, values = self._read()
-        return keys == self._keys and all(map(is_, values, self._values))
+        if keys != self._keys:
+            return False
+        if all(map(is_, values, self._values)):
+            return True
+        # Only flax's bookkeeping may differ (a full call elsewhere replaced it): then
+        # the structure is the same; take the new bookkeeping so the next check is quick.
+        new = [values[i] for i in self._skip]
+        for i in self._skip:
+            values[i] = self._values[i]
+        if not all(map(is_, values, self._values)):
+            return False
+        for i, value in zip(self._skip, new, strict=True):
+            self._values[i] = value
+        return True
