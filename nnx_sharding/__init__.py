@@ -1,22 +1,32 @@
 """nnx_sharding: lifted ``jax.jit`` and shardings for Flax NNX graph nodes."""
 
+from ._inspect import inspect_sharding as inspect_sharding
 from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
+from ._metadata import shard as shard
 from ._shard_map import ShardMapFn as ShardMapFn
 from ._shard_map import shard_map as shard_map
 from ._sharding import StateSharding as StateSharding
 from ._stages import Compiled as Compiled
 from ._stages import Lowered as Lowered
 from ._stages import Traced as Traced
+from ._table import ShardingTable as ShardingTable
+from ._table import sharding_table as sharding_table
+from ._table import visualize_sharding as visualize_sharding
 
 __all__ = [
     "Compiled",
     "JitWrapped",
     "Lowered",
     "ShardMapFn",
+    "ShardingTable",
     "StateSharding",
     "Traced",
+    "inspect_sharding",
     "jit",
+    "shard",
     "shard_map",
+    "sharding_table",
+    "visualize_sharding",
 ]
 __version__ = "0.1.0"

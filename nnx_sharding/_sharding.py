@@ -117,6 +117,23 @@ class StateSharding:
             )
         )
 
+    @classmethod
+    def from_metadata(
+        cls, tree: Any, rules: Sequence[tuple[str, str | tuple[str, ...] | None]] | None = None
+    ) -> StateSharding:
+        """Shardings from Variable metadata, logical names mapped by ``rules`` (see `shard`).
+
+        >>> from flax import nnx
+        >>> init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = nnx.Linear(2, 4, kernel_init=init, rngs=nnx.Rngs(0))
+        >>> StateSharding.from_metadata(model, rules=[('embed', None), ('mlp', 'model')])
+        StateSharding({AtPath(.bias): P(), AtPath(.kernel): P(None, 'model')})
+        """
+        from ._metadata import from_metadata
+
+        return from_metadata(tree, rules)
+
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, StateSharding)
