@@ -1,23 +1,68 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s bench`."""
+"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `bench`.
+
+`nox` alone runs tests, lint and typecheck. `nox -s tests` runs the suite once per
+flax version of `FLAX_VERSIONS`; pick one with e.g. `nox -s "tests(flax='newest')"`.
+"""
 
 import nox
+from nox.command import CommandFailed
 
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.default_venv_backend = "venv"
+
+LINTED = ("nnx_sharding", "tests", "benchmarks", "noxfile.py")
+FLAX_VERSIONS = {
+    # The oldest 0.12 patch release that works: 0.12.0 does not import with jax >= 0.10
+    # (it imports `mutable_array` from jax._src.core, which jax 0.10 no longer has).
+    "0.12.1": "flax==0.12.1",
+    "newest": "flax",
+}
 
 
 @nox.session
-def tests(session: nox.Session) -> None:
-    """Run the whole test suite (8 simulated CPU devices)."""
+@nox.parametrize("flax", list(FLAX_VERSIONS))
+def tests(session: nox.Session, flax: str) -> None:
+    """Run the whole test suite (8 simulated CPU devices) against one flax version."""
     session.install("-e", ".[test]")
+    # Installed on its own so that it may leave the range pyproject.toml asks for.
+    session.install("--upgrade", FLAX_VERSIONS[flax])
+    session.run("python", "-c", "import flax; print('flax', flax.__version__)")
     session.run("pytest", "-n", "2", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and format check."""
+    """ruff check and ruff format --check."""
     session.install("ruff")
-    session.run("ruff", "check", "nnx_sharding", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", *LINTED)
+    session.run("ruff", "format", "--check", *LINTED)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """pyright over the package ([tool.pyright] in pyproject.toml), then the completeness
+    of the public API's types (`pyright --verifytypes`)."""
+    # editable_mode=compat installs a plain path entry, which pyright can follow.
+    session.install("-e", ".", "--config-settings", "editable_mode=compat", "pyright[nodejs]")
+    failed = []
+    for command in (
+        ("pyright", *session.posargs),
+        ("pyright", "--verifytypes", "nnx_sharding", "--ignoreexternal"),
+    ):
+        try:
+            session.run(*command)
+        except CommandFailed:
+            failed.append(" ".join(command))
+    if failed:
+        session.error(f"failed: {'; '.join(failed)}")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (mkdocs-material, mkdocstrings) with --strict."""
+    session.install("-e", ".[docs]")
+    # NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, not a build warning.
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session

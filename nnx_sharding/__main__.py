@@ -1,72 +1,91 @@
-"""The main job: ``python -m nnx_sharding``.
+"""The main job: ``python -m nnx_sharding [--devices N] [--steps N] [--mesh data=2,model=4]``.
 
-Runs a jitted, tensor-parallel nnx MLP on 8 simulated CPU devices and prints its
-output next to a single-device reference, and the sharding of every parameter.
+Trains the tensor-parallel MLP recipe (`nnx_sharding.recipes`) on simulated CPU
+devices next to a single-device reference, then prints every parameter's sharding
+and both final losses. A mesh with a ``data`` axis trains the data-parallel recipe
+(with ``model`` too: both, on a 2-D mesh).
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import math
 import sys
+from typing import NoReturn
+
+AXES = ("data", "model")
+DESCRIPTION = "Trains a sharded nnx MLP on simulated CPU devices next to a one-device reference."
+EPILOG = (
+    "The mesh picks the recipe: 'model' alone, tensor parallel (Megatron, shard_map); "
+    "'data' alone, data parallel; both, data x tensor parallel."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line on stderr (not argparse's usage block), exit status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _mesh(text: str) -> dict[str, int]:
+    axes: dict[str, int] = {}
+    for item in text.split(","):
+        name, eq, size = item.partition("=")
+        name = name.strip()
+        if not eq or name not in AXES:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=SIZE pairs with NAME in {AXES}, e.g. data=2,model=4; got {item!r}"
+            )
+        if name in axes:
+            raise argparse.ArgumentTypeError(f"axis {name!r} is given twice")
+        axes[name] = _positive(size.strip())
+    # tensor-parallel axis innermost, whatever the order given
+    return {name: axes[name] for name in AXES if name in axes}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked; a bad value exits with one line on stderr and status 2."""
+    parser = _Parser(prog="python -m nnx_sharding", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument(
+        "--devices", type=_positive, help="simulated CPU devices (default: the mesh's size, or 8)"
+    )
+    parser.add_argument("--steps", type=_positive, default=300, help="training steps (300)")
+    parser.add_argument(
+        "--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default: model=DEVICES)"
+    )
+    args = parser.parse_args(argv)
+    if args.mesh is None:
+        args.devices = args.devices or 8
+        args.mesh = {"model": args.devices}
+    elif args.devices is None:
+        args.devices = math.prod(args.mesh.values())
+    elif math.prod(args.mesh.values()) != args.devices:
+        parser.error(
+            f"--mesh {','.join(f'{k}={v}' for k, v in args.mesh.items())} has "
+            f"{math.prod(args.mesh.values())} devices, but --devices is {args.devices}"
+        )
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    import jax
+    args = parse(argv)
+    import jax  # configured before any backend starts
 
-    if not os.environ.get("JAX_PLATFORMS"):
-        jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    from nnx_sharding.recipes._job import run
 
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import AxisType
-    from jax.sharding import PartitionSpec as P
-    from rich.console import Console
-    from rich.table import Table
-
-    import nnx_sharding
-
-    class MLP(nnx.Module):
-        def __init__(self, din: int, dhidden: int, dout: int, *, rngs: nnx.Rngs):
-            self.up = nnx.Linear(din, dhidden, rngs=rngs)
-            self.down = nnx.Linear(dhidden, dout, rngs=rngs)
-
-        def __call__(self, x: jax.Array) -> jax.Array:
-            return self.down(nnx.relu(self.up(x)))
-
-    console = Console()
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    model = MLP(16, 64, 8, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (32, 16))
-    reference = model(x)
-
-    shardings = nnx_sharding.StateSharding(
-        [
-            (nnx.All(nnx.PathContains("up"), nnx.PathContains("kernel")), P(None, "model")),
-            (nnx.All(nnx.PathContains("up"), nnx.PathContains("bias")), P("model")),
-            (nnx.All(nnx.PathContains("down"), nnx.PathContains("kernel")), P("model", None)),
-            (..., P()),
-        ]
-    )
-
-    @nnx_sharding.jit(in_shardings=(shardings, P("data")), out_shardings=P("data"))
-    def forward(model: MLP, x: jax.Array) -> jax.Array:
-        return model(x)
-
-    with jax.set_mesh(mesh):
-        y = forward(model, x)
-
-    table = Table(title=f"Parameters of MLP on mesh {dict(mesh.shape)}")
-    for column in ("path", "shape", "sharding"):
-        table.add_column(column)
-    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        value = param.get_raw_value()
-        table.add_row(".".join(map(str, path)), str(value.shape), str(value.sharding.spec))
-    console.print(table)
-    error = float(jnp.max(jnp.abs(y - reference)))
-    console.print(f"output {y.shape} sharded as {y.sharding.spec}")
-    console.print(f"max |jit - single-device reference| = {error:.2e}")
-    return 0 if error < 1e-5 else 1
+    return run(args.mesh, args.steps)
 
 
 if __name__ == "__main__":

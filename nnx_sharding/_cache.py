@@ -32,12 +32,13 @@ from ._graph import (
     NeedsTrace,
     OutPlan,
     call_flat,
+    deleted_leaves,
     merge_abstract,
     merge_call,
     partition_args,
     split_call,
 )
-from ._sharding import is_node
+from ._sharding import is_node, mismatched_shardings
 from ._snapshot import Snapshot, Uncacheable
 from ._stages import Lowered, Traced
 
@@ -220,6 +221,10 @@ class CachedCall(Generic[P, R]):
                 out = entry.state.jitted(donated, kept)
             except NeedsTrace:
                 pass
+            except (ValueError, RuntimeError) as e:
+                if not deleted_leaves(e, [*donated, *kept]):
+                    raise
+                # a deleted (donated) buffer: the full path below names it
             else:
                 return entry.merge(*out)
             finally:
@@ -242,16 +247,18 @@ class CachedCall(Generic[P, R]):
         bound._bound = (obj,)
         return bound
 
-    def trace(self, *args: P.args, **kwargs: P.kwargs) -> Traced:
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Traces for these arguments; see `jax.stages.Traced`."""
-        plan, _, sites, traced = self._abstract("trace", args, kwargs)
-        return Traced(traced, plan, sites, self._bound)
+        plan, leaves, sites, traced = self._abstract("trace", args, kwargs)
+        out = Traced(traced, plan, sites, self._bound)
+        out._moved = mismatched_shardings(leaves, plan.shardings, sites, self.mesh)
+        return out
 
-    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered:
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
         return self.trace(*args, **kwargs).lower()
 
-    def eval_shape(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The abstract outputs (modules included) of a call; changes no state."""
         _, leaves, _, out = self._abstract("eval_shape", args, kwargs)
         return merge_abstract(leaves, *out)

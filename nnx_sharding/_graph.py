@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
 from flax import nnx
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh
 from jax.tree_util import DictKey, SequenceKey, keystr
 
 from . import _errors
@@ -35,10 +36,12 @@ from ._sharding import (
     broadcast_prefix,
     check_leaf_entries,
     format_path,
+    incompatible_shardings,
     is_node,
+    mismatched_shardings,
     variable_shardings,
 )
-from ._snapshot import Snapshot, Uncacheable
+from ._snapshot import Structure, Uncacheable
 
 TAG = "nnx_sharding"
 Leaf: TypeAlias = Any
@@ -313,16 +316,16 @@ class InnerSplit(NamedTuple):
         )
 
 
-def snapshots(call_leaves: Sequence[Any]) -> list[Snapshot] | None:
-    """Per input graph node, a `Snapshot`; None when one cannot be taken."""
+def snapshots(call_leaves: Sequence[Any]) -> list[Structure] | None:
+    """Per input graph node, a `Structure`; None when one cannot be taken."""
     try:
-        return [Snapshot((leaf,)) for leaf in call_leaves if is_node(leaf)]
+        return [Structure(leaf) for leaf in call_leaves if is_node(leaf)]
     except Uncacheable:
         return None
 
 
 def split_inner(
-    plan: CallPlan, call_leaves: Sequence[Any], before: list[Snapshot] | None, out: Any
+    plan: CallPlan, call_leaves: Sequence[Any], before: list[Structure] | None, out: Any
 ) -> InnerSplit:
     """Step 3 (inside the trace): the updated inputs and the output, split together.
 
@@ -381,7 +384,7 @@ def split_inner(
     )
 
 
-def changed_structure(plan: CallPlan, before: list[Snapshot] | None) -> list[str]:
+def changed_structure(plan: CallPlan, before: list[Structure] | None) -> list[str]:
     """The arguments whose graph structure the call changed (all, if unknown)."""
     wheres = [w for w, g in zip(plan.wheres, plan.graphdefs, strict=True) if g is not None]
     if before is None:
@@ -398,41 +401,48 @@ def call_flat(
 ) -> Any:
     """Calls a jax-level function (jitted, traced or compiled) on the flat leaves.
 
-    jax's errors about one flat argument (``kept[3]``) are re-raised naming the
-    caller's argument and Variable path instead. ``mesh`` is the one specs refer to
-    (None: the context mesh).
+    jax's errors about one flat argument (``kept[3]``), a deleted (donated) buffer or
+    a committed argument on another sharding are re-raised naming the caller's
+    arguments and Variable paths instead. ``mesh`` is the one specs refer to (None:
+    the context mesh).
     """
     try:
         return fn(*plan.partition(leaves))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RuntimeError) as e:
+        spec = plan.spec
+        if deleted := deleted_leaves(e, leaves):
+            message = _errors.deleted_buffers(
+                spec.transform, [str(sites[i]) for i in deleted], str(e)
+            )
+            raise RuntimeError(message).with_traceback(e.__traceback__) from None
+        if isinstance(e, RuntimeError):
+            raise
         message = _errors.name_leaves(str(e), *plan.partition(sites))
         if message == str(e):
-            wrong = incompatible_shardings(leaves, plan.shardings, sites, mesh)
-            if not wrong:
+            if wrong := incompatible_shardings(leaves, plan.shardings, sites, mesh):
+                message = _errors.bad_shardings(spec.transform, spec.in_name, wrong, str(e))
+            elif "does not match the sharding" in str(e) and (
+                moved := mismatched_shardings(leaves, plan.shardings, sites, mesh)
+            ):
+                message = _errors.sharding_mismatch(spec.transform, spec.in_name, moved)
+            else:
                 raise
-            message = _errors.bad_shardings(plan.spec.transform, plan.spec.in_name, wrong, str(e))
         raise type(e)(message).with_traceback(e.__traceback__) from None
 
 
-def incompatible_shardings(
-    leaves: Sequence[Leaf],
-    shardings: Sequence[ShardingLike],
-    sites: Sequence[Site],
-    mesh: Mesh | AbstractMesh | None = None,
-) -> list[str]:
-    """Every leaf whose shape its sharding cannot split, described for an error."""
-    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    found = []
-    for leaf, sharding, site in zip(leaves, shardings, sites, strict=True):
-        if sharding is None or not hasattr(leaf, "shape"):
-            continue
-        try:
-            if isinstance(sharding, PartitionSpec):
-                sharding = NamedSharding(mesh, sharding)
-            sharding.shard_shape(tuple(leaf.shape))
-        except Exception as e:  # noqa: BLE001 - jax raises several types here
-            found.append(f"{site}: shape {tuple(leaf.shape)} with {sharding}: {e}")
-    return found
+_DELETED = re.compile(r"(Array|Buffer) has been deleted")
+
+
+def deleted_leaves(error: BaseException, leaves: Sequence[Leaf]) -> list[int]:
+    """The indices of the deleted arrays among ``leaves``, if ``error`` is jax's
+    complaint about one (else none): called on the error path only."""
+    if not isinstance(error, (ValueError, RuntimeError)) or not _DELETED.search(str(error)):
+        return []
+    return [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+    ]
 
 
 def _full_inputs(

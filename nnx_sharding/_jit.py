@@ -23,7 +23,13 @@ from ._graph import (
     split_inner,
     value_of,
 )
-from ._sharding import ShardingLike, format_path, is_node, variable_shardings
+from ._sharding import (
+    ShardingLike,
+    format_path,
+    incompatible_shardings,
+    is_node,
+    variable_shardings,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -56,6 +62,44 @@ def resolve_argnums(
     return frozenset(nums), frozenset(names)
 
 
+def check_argnums(transform: str, fun: Callable[..., Any], options: dict[str, Any]) -> None:
+    """Validates ``static_argnums`` etc. against ``fun``'s signature, as ``jax.jit`` does."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    n = len(positional)
+    for kind in ("static", "donate"):
+        name = f"{kind}_argnums"
+        nums = _as_tuple(options.get(name))
+        if not any(p.kind is p.VAR_POSITIONAL for p in params):
+            if bad := [i for i in nums if not -n <= i < n]:
+                raise ValueError(_errors.argnums_out_of_range(transform, name, bad, positional))
+        name = f"{kind}_argnames"
+        names = _as_tuple(options.get(name))
+        if bad := [a for a in names if a in positional and a not in keywords]:
+            why = "a positional-only parameter"
+            raise ValueError(_errors.unknown_argnames(transform, name, bad, keywords, why))
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            if bad := [a for a in names if a not in keywords]:
+                why = "not a parameter of the function"
+                raise ValueError(_errors.unknown_argnames(transform, name, bad, keywords, why))
+
+
+def check_overlap(
+    transform: str,
+    static: tuple[frozenset[int], frozenset[str]],
+    donate: tuple[frozenset[int], frozenset[str]],
+) -> None:
+    """An argument cannot be both static and donated (``jax.jit`` rejects it too)."""
+    # names include the positional ones resolved from numbers: prefer them
+    both = sorted(static[1] & donate[1]) or sorted(static[0] & donate[0])
+    if both:
+        raise ValueError(_errors.static_and_donated(transform, both))
+
+
 class JitWrapped(CachedCall[P, R]):
     """A jitted function over NNX graph nodes; what `jit` returns.
 
@@ -79,8 +123,18 @@ class JitWrapped(CachedCall[P, R]):
         inline: bool = False,
         compiler_options: dict[str, Any] | None = None,
     ):
+        if not callable(fun):
+            raise TypeError(_errors.not_callable("jit", fun))
+        argnums = dict(
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+        )
+        check_argnums("jit", fun, argnums)
         static = resolve_argnums(fun, static_argnums, static_argnames)
         donate = resolve_argnums(fun, donate_argnums, donate_argnames)
+        check_overlap("jit", static, donate)
         spec = CallSpec(
             "jit", *static, *donate, in_shardings=in_shardings, out_shardings=out_shardings
         )
@@ -157,8 +211,9 @@ def _constrain(
         spec.transform, spec.out_name, [(w, x, e) for w, x, e in nodes if is_node(x)]
     )
     conflicts: list[str] = []
+    misfits: list[str] = []  # out_shardings that do not fit their output
 
-    def constrain(item: Any, entry: ShardingLike) -> Leaf:
+    def constrain(item: Any, entry: ShardingLike, where: str = "") -> Leaf:
         value = value_of(item)
         (inner, in_site), (outer, out_site) = (
             in_table.get(id(item), (None, "")),
@@ -169,16 +224,32 @@ def _constrain(
                 f"the Variable at {in_site} gets {inner!r} as an input, "
                 f"and as {out_site} gets {outer!r} as an output"
             )
-        sharding = entry if entry is not None else (outer if outer is not None else inner)
+        if entry is not None:
+            sharding, site = entry, where
+        elif outer is not None:
+            sharding, site = outer, out_site
+        else:  # an in_sharding, which the input already has
+            sharding, site = inner, ""
         if sharding is None or not isinstance(value, jax.Array):
+            return value
+        # with_sharding_constraint would replicate an indivisible dimension silently
+        if site and (wrong := incompatible_shardings([value], [sharding], [site])):
+            misfits.extend(wrong)
             return value
         return jax.lax.with_sharding_constraint(value, sharding)
 
     in_flat = [constrain(item, None) for item in split.in_items]
     out_flat = [
-        constrain(item, None if is_node(split.out_leaves[k]) else split.out_entries[k])
+        constrain(
+            item,
+            None if is_node(split.out_leaves[k]) else split.out_entries[k],
+            split.out_wheres[k],
+        )
         for item, k in zip(split.out_items, split.out_owner, strict=True)
     ]
+    if misfits:
+        misfits = list(dict.fromkeys(misfits))  # an input returned is checked twice
+        raise ValueError(_errors.bad_shardings(spec.transform, spec.out_name, misfits))
     if conflicts:
         raise ValueError(
             _errors.aliased_shardings(spec.transform, "in_shardings/out_shardings", conflicts)
@@ -239,7 +310,9 @@ def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
       out_shardings: the same for the output.
       static_argnums, static_argnames, donate_argnums, donate_argnames, keep_unused,
         device, backend, inline, compiler_options: as in ``jax.jit``; a donated
-        module's Variables receive the new buffers.
+        module's Variables receive the new buffers. As with ``jax.jit``, donated
+        buffers are consumed when the program starts, so a call that fails at run
+        time leaves the donated Variables holding deleted arrays (values lost).
 
     Returns:
       A `JitWrapped`.

@@ -154,7 +154,7 @@ class ShardMapFn(CachedCall[P, R]):
                 args, kwargs, call_leaves = merge_inputs(plan, leaves)
                 before = snapshots(call_leaves)
                 split = split_inner(plan, call_leaves, before, self.fun(*args, **kwargs))
-                if not (split.kept_structure or split.in_graphdefs == plan.graphdefs):
+                if not split.kept_structure:
                     wheres = changed_structure(plan, before)
                     raise ValueError(_errors.structure_changed("shard_map", wheres))
                 grouped, order = self._group(split)
@@ -204,7 +204,17 @@ class ShardMapFn(CachedCall[P, R]):
             if per_leaf[k] is None:
                 per_leaf[k] = j
             else:
-                group = entry.index_for(path, item) if isinstance(entry, StateSharding) else 0
+                group = (
+                    entry.index_for(
+                        path,
+                        item,
+                        transform="shard_map",
+                        argument="out_specs",
+                        where=split.out_wheres[k],
+                    )
+                    if isinstance(entry, StateSharding)
+                    else 0
+                )
                 per_leaf[k][group].append(j)
         indices = jax.tree_util.tree_unflatten(split.out_treedef, per_leaf)
         values = [value_of(x) for x in split.out_items]

@@ -9,7 +9,7 @@ from typing import Any, TypeAlias
 import jax
 from flax import nnx
 from flax.nnx import graph as nnx_graph
-from jax.sharding import PartitionSpec, Sharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from . import _errors
 
@@ -86,36 +86,51 @@ class StateSharding:
         elif isinstance(spec, Mapping):
             pairs = list(spec.items())
         else:
-            pairs = [tuple(pair) for pair in spec]
+            pairs = _pairs(spec)
         for f, value in pairs:
             if not _is_sharding_like(value):
-                raise TypeError(
-                    _errors.format_message(
-                        "StateSharding",
-                        "spec",
-                        [f"the value for filter {f!r} is a {type(value).__name__}"],
-                        "Rule: each value is a jax.sharding.Sharding, a PartitionSpec or None.",
-                        ["wrap mesh axis names in PartitionSpec, e.g. P('model', None)."],
-                    )
-                )
+                raise TypeError(_errors.spec_value_not_a_sharding(f, type(value).__name__))
         self.filters = tuple(_normalise_filter(f) for f, _ in pairs)
         self.shardings = tuple(v for _, v in pairs)
-        self._predicates = tuple(nnx.filterlib.to_predicate(f) for f in self.filters)
+        self._predicates = tuple(_predicate(f) for f in self.filters)
 
     def sharding_for(self, path: Path, value: Any) -> ShardingLike:
         """The sharding of the Variable ``value`` found at ``path`` (first match wins)."""
         return self.shardings[self.index_for(path, value)]
 
-    def index_for(self, path: Path, value: Any) -> int:
-        """The index of the first filter that matches the Variable ``value`` at ``path``."""
+    def index_for(
+        self,
+        path: Path,
+        value: Any,
+        *,
+        transform: str = "StateSharding",
+        argument: str = "spec",
+        where: str = "",
+    ) -> int:
+        """The index of the first filter that matches the Variable ``value`` at ``path``.
+
+        ``transform``, ``argument`` and ``where`` (the path of the node, ``output[0]``)
+        say in the error for a Variable no filter matches where it was looked up.
+        """
+        index = self.find(path, value)
+        if index is not None:
+            return index
+        raise ValueError(
+            _errors.no_filter_matched(
+                f"{where}{format_path(path)}" or "<root>",
+                type(value).__name__,
+                self.filters,
+                transform,
+                argument,
+            )
+        )
+
+    def find(self, path: Path, value: Any) -> int | None:
+        """Like `index_for`, but None where no filter matches."""
         for i, predicate in enumerate(self._predicates):
             if predicate(path, value):
                 return i
-        raise ValueError(
-            _errors.no_filter_matched(
-                format_path(path) or "<root>", type(value).__name__, self.filters
-            )
-        )
+        return None
 
     @classmethod
     def from_metadata(
@@ -149,6 +164,26 @@ class StateSharding:
             f"{_filter_repr(f)}: {s!r}" for f, s in zip(self.filters, self.shardings, strict=True)
         )
         return f"StateSharding({{{items}}})"
+
+
+def _pairs(spec: Any) -> list[tuple[Filter, Any]]:
+    """An iterable of ``(filter, sharding)`` pairs as a list, its form checked."""
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Iterable):
+        raise TypeError(_errors.spec_not_pairs(type(spec).__name__))
+    pairs = []
+    for entry in spec:
+        pair = tuple(entry) if isinstance(entry, Iterable) and not isinstance(entry, str) else ()
+        if len(pair) != 2:
+            raise TypeError(_errors.spec_entry_not_a_pair(entry))
+        pairs.append(pair)
+    return pairs
+
+
+def _predicate(f: Filter) -> Callable[[Path, Any], bool]:
+    try:
+        return nnx.filterlib.to_predicate(f)
+    except Exception as e:  # noqa: BLE001 - flax raises several types (or fails formatting)
+        raise TypeError(_errors.bad_filter(f, e)) from None
 
 
 def _filter_repr(f: Filter) -> str:
@@ -194,8 +229,43 @@ def broadcast_prefix(
     try:
         jax.tree.map(expand, prefix, tree, is_leaf=is_prefix_leaf)
     except ValueError as e:
-        raise ValueError(_errors.not_a_prefix(transform, argument, str(e).split("\n")[0])) from None
+        found = _prefix_mismatch(prefix, tree, ())
+        tree_name = "output" if argument.startswith("out") else "arguments"
+        detail = (
+            str(e).split("\n")[0]
+            if found is None
+            else _errors.prefix_mismatch(where(found[0]), found[1], found[2], tree_name)
+        )
+        raise ValueError(_errors.not_a_prefix(transform, argument, detail, tree_name)) from None
     return out
+
+
+def _children(x: Any, is_leaf: Callable[[Any], bool]) -> list[tuple[Any, Any]] | None:
+    """One level of the pytree ``x``: its ``(key, child)`` pairs; None for a leaf."""
+    if is_leaf(x):
+        return None
+    kids = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)[0]
+    if len(kids) == 1 and kids[0][0] == () and kids[0][1] is x:
+        return None
+    return [(kp[0], child) for kp, child in kids]
+
+
+def _prefix_mismatch(prefix: Any, tree: Any, keypath: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``(keypath, prefix part, tree part)`` where ``prefix`` stops being a prefix of ``tree``."""
+    ours = _children(prefix, is_prefix_leaf)
+    if ours is None:
+        return None
+    theirs = _children(tree, is_node)
+    if (
+        theirs is None
+        or type(prefix) is not type(tree)
+        or [k for k, _ in ours] != [k for k, _ in theirs]
+    ):
+        return keypath, prefix, tree
+    for (key, a), (_, b) in zip(ours, theirs, strict=True):
+        if (found := _prefix_mismatch(a, b, (*keypath, key))) is not None:
+            return found
+    return None
 
 
 def check_leaf_entries(
@@ -226,6 +296,8 @@ def variable_shardings(
     """
     chosen: dict[int, tuple[ShardingLike, str]] = {}
     conflicts: list[str] = []
+    matched: set[int] = set()  # Variables some filter matched, on some path
+    unmatched: dict[int, tuple[str, str, StateSharding]] = {}  # first unmatched path of each
     for where, node, entry in nodes:
         if entry is None:
             continue
@@ -235,18 +307,33 @@ def variable_shardings(
         if isinstance(entry, StateSharding):
             aliases += list(_alias_paths(node, by_path))
         for path, value in aliases:
-            sharding = (
-                entry.sharding_for(path, value) if isinstance(entry, StateSharding) else entry
-            )
+            here = f"{where}{format_path(path)}"
+            if isinstance(entry, StateSharding):
+                # An alias path no filter matches takes the sharding of another path (an
+                # nnx.State spec has exact paths for the canonical ones only).
+                index = entry.find(path, value)
+                if index is None:
+                    unmatched.setdefault(id(value), (here, type(value).__name__, entry))
+                    continue
+                matched.add(id(value))
+                sharding = entry.shardings[index]
+            else:
+                sharding = entry
             if sharding is None:
                 continue
-            here = f"{where}{format_path(path)}"
             previous = chosen.setdefault(id(value), (sharding, here))
             if previous[0] != sharding:
                 conflicts.append(
                     f"the Variable at {previous[1]} gets {previous[0]!r}, "
                     f"and through the alias {here} gets {sharding!r}"
                 )
+    if missing := [u for i, u in unmatched.items() if i not in matched]:
+        (path, type_name, entry), *more = missing
+        raise ValueError(
+            _errors.no_filter_matched(
+                path, type_name, entry.filters, transform, argument, [m[:2] for m in more]
+            )
+        )
     if conflicts:
         raise ValueError(_errors.aliased_shardings(transform, argument, conflicts))
     return chosen
@@ -260,3 +347,62 @@ def _alias_paths(node: Any, by_path: Mapping[Path, Any]) -> Iterator[tuple[Path,
             if path[: len(first)] == first:
                 for other in others:
                     yield other + path[len(first) :], value
+
+
+def incompatible_shardings(
+    leaves: Sequence[Any],
+    shardings: Sequence[ShardingLike],
+    sites: Sequence[object],
+    mesh: Mesh | AbstractMesh | None = None,
+) -> list[str]:
+    """Every leaf whose shape its sharding cannot split, described for an error.
+
+    ``mesh``: the one PartitionSpecs refer to (None: the context's; with none in
+    context, PartitionSpecs are not checked).
+    """
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    found = []
+    for leaf, sharding, site in zip(leaves, shardings, sites, strict=True):
+        if sharding is None or not hasattr(leaf, "shape"):
+            continue
+        if isinstance(sharding, PartitionSpec) and mesh.empty:
+            continue
+        shape = tuple(leaf.shape)
+        try:
+            if isinstance(sharding, PartitionSpec):
+                sharding = NamedSharding(mesh, sharding)
+            if isinstance(sharding, NamedSharding) and len(sharding.spec) > len(shape):
+                raise ValueError(_errors.rank_too_low(len(sharding.spec), len(shape)))
+            sharding.shard_shape(shape)
+        except Exception as e:  # noqa: BLE001 - jax raises several types here
+            found.append(_errors.misfit(str(site), shape, sharding, str(e)))
+    return found
+
+
+def mismatched_shardings(
+    leaves: Sequence[Any],
+    shardings: Sequence[ShardingLike],
+    sites: Sequence[object],
+    mesh: Mesh | AbstractMesh | None = None,
+) -> list[tuple[str, Sharding, Sharding]]:
+    """``(site, its sharding, the one asked for)`` for every committed array placed
+    otherwise than its sharding asks (jit refuses to move those)."""
+    mesh = jax.sharding.get_mesh() if mesh is None else mesh
+    found = []
+    for leaf, sharding, site in zip(leaves, shardings, sites, strict=True):
+        if (
+            sharding is None
+            or not isinstance(leaf, jax.Array)
+            or isinstance(leaf, jax.core.Tracer)
+            or not leaf.committed
+        ):
+            continue
+        try:
+            if isinstance(sharding, PartitionSpec):
+                sharding = NamedSharding(mesh, sharding)
+            if leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+                continue
+        except Exception:  # noqa: BLE001 - not comparable (an abstract mesh): not the culprit
+            continue
+        found.append((str(site), leaf.sharding, sharding))
+    return found

@@ -32,6 +32,8 @@ class Snapshot:
                 self._dicts.append(vars(obj))
             elif type(obj) is dict:
                 self._dicts.append(obj)
+            elif isinstance(obj, nnx.State):  # its items wrap nested dicts anew on each read
+                self._dicts.append(obj.raw_mapping)
             elif isinstance(obj, (MutableMapping, MutableSequence)):
                 self._others.append(obj)
             elif nnx_graph.is_graph_node(obj):
@@ -65,3 +67,28 @@ class Snapshot:
         for i, value in zip(self._skip, new, strict=True):
             self._values[i] = value
         return True
+
+
+class Structure:
+    """Whether one graph kept its structure across a traced call.
+
+    The quick `Snapshot` answers most of the time. When it sees a difference, the
+    graph may still be the same: ``optimizer.update`` puts new ``nnx.State``
+    containers around the same Variables, say. Then the graph definition and the
+    Variables' identities decide (a trace-time check, so its cost does not matter).
+    """
+
+    def __init__(self, root: Any):
+        self.snapshot = Snapshot((root,))
+        self.root = root
+        self.graphdef = nnx.graphdef(root)
+        self.variables = _variable_ids(root)
+
+    def fresh(self) -> bool:
+        return self.snapshot.fresh() or (
+            nnx.graphdef(self.root) == self.graphdef and _variable_ids(self.root) == self.variables
+        )
+
+
+def _variable_ids(root: Any) -> list[int]:
+    return [id(x) for _, x in nnx.iter_graph(root) if isinstance(x, nnx.Variable)]

@@ -39,7 +39,12 @@ def _passthrough(name: str, stage: str) -> property:
 def _differences(plan: CallPlan, expected: CallPlan) -> list[str]:
     found = []
     if plan.treedef != expected.treedef:
-        found.append(f"argument structure {plan.treedef} differs from {expected.treedef}")
+        missing = [w for w in expected.wheres if w not in plan.wheres]
+        extra = [w for w in plan.wheres if w not in expected.wheres]
+        if missing or extra:
+            found.append(_errors.argument_structure(missing, extra))
+        else:  # the same positions, other containers (a list for a tuple, say)
+            found.append(f"argument structure {plan.treedef} differs from {expected.treedef}")
     for i, (a, b) in enumerate(zip(plan.graphdefs, expected.graphdefs, strict=False)):
         if a != b:
             found.append(f"the graph node at {plan.wheres[i]} has another structure")
@@ -122,14 +127,21 @@ class Traced(_Stage):
     fun_name = _passthrough("fun_name", "Traced")
     lojax = _passthrough("lojax", "Traced")
 
+    _moved: Sequence[tuple[str, Any, Any]] = ()
+    """``(where, sharding, wanted)`` of committed arguments on another sharding than
+    in_shardings asks (`_sharding.mismatched_shardings`), for jax's error at lowering."""
+
     def lower(self, *, lowering_platforms: tuple[str, ...] | None = None) -> Lowered:
         """See `jax.stages.Traced.lower`."""
-        return Lowered(
-            self._jax.lower(lowering_platforms=lowering_platforms),
-            self._plan,
-            self._sites,
-            self._bound,
-        )
+        try:
+            lowered = self._jax.lower(lowering_platforms=lowering_platforms)
+        except ValueError as e:
+            if not self._moved or "does not match the sharding" not in str(e):
+                raise
+            spec = self._plan.spec
+            message = _errors.sharding_mismatch(spec.transform, spec.in_name, self._moved)
+            raise ValueError(message).with_traceback(e.__traceback__) from None
+        return Lowered(lowered, self._plan, self._sites, self._bound)
 
 
 class Lowered(_Stage):

@@ -202,12 +202,6 @@ def test_shared_submodules_get_an_entry_at_every_path():
     assert model.block.up.kernel.get_value().sharding == named(None, "model")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug in _sharding.variable_shardings: StateSharding(nnx.State) matches exact paths "
-    "only, so the alias paths of a shared submodule match no filter, although the "
-    "node_in_prefix message recommends StateSharding(nnx.get_named_sharding(...)).",
-)
 def test_state_sharding_from_a_state_accepts_shared_submodules():
     class Tied(nnx.Module):
         def __init__(self):

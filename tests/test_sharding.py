@@ -192,8 +192,11 @@ def test_unmatched_variable_names_path_type_and_filters():
 
 def test_unmatched_variable_in_a_call_raises():
     f = nnx_sharding.jit(lambda m: None, in_shardings=StateSharding({nnx.BatchStat: None}))
-    with pytest.raises(ValueError, match=r"Variable at \.bn\.bias \(type Param\) matches none"):
+    with pytest.raises(ValueError, match=r"^jit: in_shardings: ") as info:
         f(MLP())
+    # every unmatched Variable, by its full path from the argument
+    assert "Variable at args[0].bn.bias (type Param) matches none" in str(info.value)
+    assert "Variable at args[0].l1.kernel (type Param) matches none" in str(info.value)
 
 
 def test_equality_and_hash():

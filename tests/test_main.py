@@ -1,0 +1,100 @@
+"""The main job, ``python -m nnx_sharding``: run in a subprocess, as a user would."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nnx_sharding.__main__ import parse
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def job(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "nnx_sharding", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def final_losses(out: str) -> tuple[float, float]:
+    found = re.search(r"final loss ([\d.]+), single-device reference ([\d.]+)", out)
+    assert found, out
+    return float(found[1]), float(found[2])
+
+
+def test_default_mesh_trains_tensor_parallel_on_8_devices():
+    run = job("--steps", "20")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "tensor parallel" in out and "{'model': 8}" in out and "20/20" in out
+    rows = {
+        "up.kernel": r"\(16, 128\)\s+│ P\(None, 'model'\)\s+│ \(16, 16\)",
+        "up.bias": r"\(128,\)\s+│ P\('model',\)\s+│ \(16,\)",
+        "down.kernel": r"\(128, 8\)\s+│ P\('model',\)\s+│ \(16, 8\)",
+        "down.bias": r"\(8,\)\s+│ P\(\)\s+│ \(8,\)",
+    }
+    for path, row in rows.items():
+        assert re.search(rf"{re.escape(path)}\s+│ {row}", out), (path, out)
+    loss, reference = final_losses(out)
+    assert loss == pytest.approx(reference, rel=1e-5)
+    assert "Traceback" not in run.stderr
+
+
+def test_2d_mesh_and_device_count():
+    run = job("--devices", "8", "--mesh", "model=4,data=2", "--steps", "10")
+    assert run.returncode == 0, run.stderr
+    assert "data x tensor parallel on mesh {'data': 2, 'model': 4}" in run.stdout
+    loss, reference = final_losses(run.stdout)
+    assert loss == pytest.approx(reference, rel=1e-5)
+
+
+def test_devices_alone_sets_the_model_axis():
+    run = job("--devices", "4", "--steps", "5")
+    assert run.returncode == 0, run.stderr
+    assert "on mesh {'model': 4}" in run.stdout and "5/5" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
+        (["--steps", "ten"], "argument --steps: expected a positive integer, got 'ten'"),
+        (["--devices", "-1"], "argument --devices: expected a positive integer, got '-1'"),
+        (["--mesh", "data=3,model=4", "--devices", "8"], "has 12 devices, but --devices is 8"),
+        (["--mesh", "batch=8"], "expected NAME=SIZE pairs with NAME in ('data', 'model')"),
+        (["--mesh", "data=2,data=4"], "axis 'data' is given twice"),
+        (["--mesh", "data=two"], "expected a positive integer, got 'two'"),
+        (["--mesh", "model"], "got 'model'"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_bad_options_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        parse(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m nnx_sharding: error: ")
+    assert message in err
+
+
+def test_options_and_their_defaults():
+    assert vars(parse([])) == {"devices": 8, "steps": 300, "mesh": {"model": 8}}
+    assert parse(["--mesh", "model=2,data=2"]).devices == 4  # the mesh's size
+    assert parse(["--mesh", "model=2, data=2"]).mesh == {"data": 2, "model": 2}
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--mesh", "data=3,model=4", "--devices", "8"]])
+def test_bad_options_from_the_command_line(argv):
+    run = job(*argv)
+    assert run.returncode == 2
+    assert run.stdout == "" and len(run.stderr.splitlines()) == 1, run.stderr
+    assert "Traceback" not in run.stderr
