@@ -1,5 +1,8 @@
 """nnx_sharding: lifted ``jax.jit`` and shardings for Flax NNX graph nodes."""
 
+from ._export import Exported as Exported
+from ._export import deserialize as deserialize
+from ._export import export as export
 from ._inspect import inspect_sharding as inspect_sharding
 from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
@@ -16,12 +19,15 @@ from ._table import visualize_sharding as visualize_sharding
 
 __all__ = [
     "Compiled",
+    "Exported",
     "JitWrapped",
     "Lowered",
     "ShardMapFn",
     "ShardingTable",
     "StateSharding",
     "Traced",
+    "deserialize",
+    "export",
     "inspect_sharding",
     "jit",
     "shard",

@@ -78,6 +78,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["aot"]:  # python -m nnx_sharding aot --config NAME --mesh data=2,model=4
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+        from nnx_sharding._aot import aot_main
+
+        return aot_main(argv[1:])
     args = parse(argv)
     import jax  # configured before any backend starts
 

@@ -98,3 +98,12 @@ def test_bad_options_from_the_command_line(argv):
     assert run.returncode == 2
     assert run.stdout == "" and len(run.stderr.splitlines()) == 1, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_aot_subcommand_reports_and_refuses_bad_options():
+    bad = job("aot", "--config", "nope")
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1 and "unknown --config 'nope'" in bad.stderr
+    ok = job("aot", "--config", "1b-wide", "--mesh", "data=2,model=4", timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "1,067,487,232" in ok.stdout and "memory_analysis" in ok.stdout

@@ -1,0 +1,409 @@
+"""Ahead-of-time memory and cost reports of a decoder-only transformer, never allocated.
+
+``python -m nnx_sharding aot --config 1b --mesh data=2,model=4`` builds the model with
+``nnx.eval_shape`` (its Variables hold ``jax.ShapeDtypeStruct``s), gives each Variable a
+``NamedSharding`` from its logical axis names (FSDP over ``data``, tensor parallelism over
+``model``), lowers and compiles one SGD training step with `nnx_sharding.jit`, and prints
+the compiler's per-device ``memory_analysis`` and ``cost_analysis`` as a rich table. No
+parameter is ever allocated: a 1B-parameter model is compiled in a few hundred MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from rich.console import Console
+from rich.table import Table
+
+from . import _errors
+from ._jit import jit
+from ._metadata import shard
+
+AXES = ("data", "model")
+"""The mesh axes the configs shard over: FSDP over ``data``, tensor parallelism over ``model``."""
+PROG = "python -m nnx_sharding aot"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The sizes of a decoder-only transformer and of the batch of one training step.
+
+    >>> CONFIGS['1b'].param_count()
+    1037117440
+    """
+
+    name: str
+    vocab: int
+    d_model: int
+    heads: int
+    head_dim: int
+    mlp: int
+    layers: int
+    batch: int
+    seq_len: int
+    dtype: str = "float32"
+
+    def param_count(self) -> int:
+        """Parameters, counted from the sizes (embedding, blocks, final norm, head)."""
+        block = 4 * self.d_model * self.heads * self.head_dim + 2 * self.d_model * self.mlp
+        block += 2 * self.d_model  # the two norm scales
+        return 2 * self.vocab * self.d_model + self.layers * block + self.d_model
+
+
+CONFIGS: dict[str, DecoderConfig] = {
+    c.name: c
+    for c in (
+        DecoderConfig("tiny", 512, 128, 4, 32, 512, 2, batch=8, seq_len=64),
+        DecoderConfig("1b", 32000, 2048, 16, 128, 8192, 18, batch=8, seq_len=512),
+        DecoderConfig("1b-wide", 32000, 4096, 32, 128, 16384, 4, batch=8, seq_len=512),
+    )
+}
+"""The named configs: ``tiny`` (docs, tests), ``1b`` (1.04B parameters, 18 layers of
+width 2048) and ``1b-wide`` (1.07B, 4 layers of width 4096: compiles several times faster)."""
+
+LOGICAL_AXES = {
+    "batch": "data",
+    "embed": "data",
+    "heads": "model",
+    "mlp": "model",
+    "vocab": "model",
+}
+"""Logical axis -> mesh axis: FSDP shards the ``embed`` dimension of every matrix over
+``data`` (and the batch with it), tensor parallelism splits heads, MLP units and the
+vocabulary over ``model``."""
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any):
+    init = nnx.initializers.ones if len(shape) == 1 else nnx.initializers.normal(0.02)
+    # logical axis names, mapped to mesh axes by `shard` (`abstract_model`)
+    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+class Block(nnx.Module):
+    """Pre-norm causal self-attention and a GELU MLP, each around a residual."""
+
+    def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs):
+        d, h, k, f, t = c.d_model, c.heads, c.head_dim, c.mlp, c.dtype
+        self.attn_norm = _param(rngs, (d,), (None,), t)
+        self.wq = _param(rngs, (d, h, k), ("embed", "heads", None), t)
+        self.wk = _param(rngs, (d, h, k), ("embed", "heads", None), t)
+        self.wv = _param(rngs, (d, h, k), ("embed", "heads", None), t)
+        self.wo = _param(rngs, (h, k, d), ("heads", None, "embed"), t)
+        self.mlp_norm = _param(rngs, (d,), (None,), t)
+        self.up = _param(rngs, (d, f), ("embed", "mlp"), t)
+        self.down = _param(rngs, (f, d), ("mlp", "embed"), t)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = _rms_norm(x, self.attn_norm[...])
+        q, k, v = (jnp.einsum("bsd,dhk->bshk", h, w[...]) for w in (self.wq, self.wk, self.wv))
+        scores = jnp.einsum("bshk,bthk->bhst", q, k) / math.sqrt(q.shape[-1])
+        causal = jnp.tril(jnp.ones(scores.shape[-2:], dtype=bool))
+        attn = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
+        x = x + jnp.einsum("bhst,bthk,hkd->bsd", attn, v, self.wo[...])
+        h = _rms_norm(x, self.mlp_norm[...])
+        return x + jax.nn.gelu(h @ self.up[...]) @ self.down[...]
+
+
+class Decoder(nnx.Module):
+    """A decoder-only transformer (no positional encoding: a model for sizing).
+
+    >>> with nnx.use_eager_sharding(False):
+    ...     model = nnx.eval_shape(lambda: Decoder(CONFIGS['tiny'], rngs=nnx.Rngs(0)))
+    >>> tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
+    >>> nnx.eval_shape(lambda m, t: m(t), model, tokens).shape
+    (2, 5, 512)
+    """
+
+    def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs):
+        self.embed = _param(rngs, (c.vocab, c.d_model), ("vocab", "embed"), c.dtype)
+        self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
+        self.final_norm = _param(rngs, (c.d_model,), (None,), c.dtype)
+        self.head = _param(rngs, (c.d_model, c.vocab), ("embed", "vocab"), c.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed[...][tokens]
+        for block in self.layers:
+            x = block(x)
+        return _rms_norm(x, self.final_norm[...]) @ self.head[...]
+
+
+def loss_fn(model: Decoder, tokens: jax.Array) -> jax.Array:
+    """Next-token cross-entropy over ``tokens`` of shape ``(batch, seq_len + 1)``."""
+    logits = model(tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def train_step(model: Decoder, tokens: jax.Array, learning_rate: float = 1e-3) -> jax.Array:
+    """One SGD step on the loss, in place; returns the loss."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p, g: p - learning_rate * g, params, grads))
+    return loss
+
+
+def make_mesh(axes: Mapping[str, int]) -> Mesh:
+    """A mesh of ``AxisType.Auto`` axes over the first devices, ``{'data': 2, 'model': 4}``."""
+    n = math.prod(axes.values())
+    devices = jax.devices()
+    if n > len(devices):
+        raise ValueError(_errors.aot_mesh_too_big("aot_report", dict(axes), n, len(devices)))
+    return jax.make_mesh(
+        tuple(axes.values()),
+        tuple(axes),
+        axis_types=(AxisType.Auto,) * len(axes),
+        devices=devices[:n],
+    )
+
+
+def rules_for(mesh: Mesh) -> list[tuple[str, str | None]]:
+    """`LOGICAL_AXES` for ``mesh``: logical axes whose mesh axis it lacks are replicated."""
+    return [
+        (name, axis if axis in mesh.axis_names else None) for name, axis in LOGICAL_AXES.items()
+    ]
+
+
+def _indivisible(c: DecoderConfig, mesh: Mesh) -> list[str]:
+    sizes = dict(mesh.shape)
+    dims = {"batch": c.batch, "embed": c.d_model, "heads": c.heads, "mlp": c.mlp, "vocab": c.vocab}
+    return [
+        f"{name} ({dims[name]}) is not divisible by mesh axis {axis!r} ({sizes[axis]})"
+        for name, axis in rules_for(mesh)
+        if axis is not None and dims[name] % sizes[axis]
+    ]
+
+
+def abstract_model(config: DecoderConfig, mesh: Mesh) -> Decoder:
+    """The model with ``ShapeDtypeStruct`` values carrying their ``NamedSharding``s.
+
+    >>> mesh = make_mesh({'model': 1})
+    >>> model = abstract_model(CONFIGS['tiny'], mesh)
+    >>> model.layers[0].up.get_value().sharding.spec
+    P(None, 'model')
+    """
+    wrong = _indivisible(config, mesh)
+    if wrong:
+        raise ValueError(_errors.aot_indivisible("aot_report", config.name, wrong))
+    with nnx.use_eager_sharding(False):  # logical names: nothing to place at creation
+        model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    return shard(model, mesh, rules_for(mesh))
+
+
+def abstract_tokens(config: DecoderConfig, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """The token batch, ``(batch, seq_len + 1)`` int32, sharded over ``data``."""
+    spec = P("data") if "data" in mesh.axis_names else P()
+    shape = (config.batch, config.seq_len + 1)
+    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class AotReport:
+    """Per-device memory (bytes) and cost of one compiled training step.
+
+    ``argument_bytes`` to ``temp_bytes`` come from ``Compiled.memory_analysis()``,
+    ``flops`` and ``bytes_accessed`` from ``Compiled.cost_analysis()``: both describe
+    the program one device runs. ``param_bytes`` is the whole model's size, and
+    ``param_bytes_per_device`` the part one device holds (from the shardings).
+    """
+
+    config: str
+    mesh: dict[str, int]
+    params: int
+    param_bytes: int
+    param_bytes_per_device: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops: float
+    bytes_accessed: float
+    lower_seconds: float
+    compile_seconds: float
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    def table(self) -> Table:
+        """The report as a rich table."""
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+        table = Table(title=f"AOT: config {self.config!r}, mesh {mesh} ({self.devices} devices)")
+        table.add_column("quantity")
+        table.add_column("per device", justify="right")
+        table.add_column("all devices", justify="right")
+        table.add_column("source")
+        n = self.devices
+        rows = [
+            ("parameters", "", f"{self.params:,}", "the model's Variables"),
+            (
+                "parameter bytes",
+                _size(self.param_bytes_per_device),
+                _size(self.param_bytes),
+                "their shardings (all: one copy)",
+            ),
+            ("argument bytes", _size(self.argument_bytes), "", "memory_analysis"),
+            ("output bytes", _size(self.output_bytes), "", "memory_analysis"),
+            ("alias bytes", _size(self.alias_bytes), "", "memory_analysis (donated)"),
+            ("temp bytes", _size(self.temp_bytes), "", "memory_analysis"),
+            ("FLOPs", _flops(self.flops), _flops(self.flops * n), "cost_analysis"),
+            ("bytes accessed", _size(int(self.bytes_accessed)), "", "cost_analysis"),
+            ("lower", "", f"{self.lower_seconds:.2f} s", "wall time"),
+            ("compile", "", f"{self.compile_seconds:.2f} s", "wall time"),
+        ]
+        for row in rows:
+            table.add_row(*row)
+        return table
+
+    def __rich__(self) -> Table:
+        return self.table()
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    exponent = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024**exponent:.2f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _shard_bytes(sds: jax.ShapeDtypeStruct) -> int:
+    shape = sds.sharding.shard_shape(sds.shape) if sds.sharding is not None else sds.shape
+    return math.prod(shape) * jnp.dtype(sds.dtype).itemsize
+
+
+def aot_report(config: str | DecoderConfig, mesh: Mesh | Mapping[str, int]) -> AotReport:
+    """Lowers and compiles one training step of an abstract model; reports memory and cost.
+
+    Args:
+      config: a `DecoderConfig` or the name of one in `CONFIGS`.
+      mesh: a mesh with axes among ``data`` and ``model``, or their sizes, e.g.
+        ``{'data': 2, 'model': 4}``.
+
+    Returns:
+      An `AotReport`; print it with rich.
+
+    Raises:
+      ValueError: an unknown config, a mesh larger than the devices, or a size the mesh
+        cannot split.
+
+    >>> small = DecoderConfig('small', 64, 32, 2, 16, 64, 1, batch=2, seq_len=8)
+    >>> report = aot_report(small, {'model': 1})
+    >>> report.params == small.param_count(), report.argument_bytes > report.param_bytes
+    (True, True)
+    """
+    if isinstance(config, str):
+        if config not in CONFIGS:
+            raise ValueError(_errors.aot_unknown_config("aot_report", config, list(CONFIGS)))
+        config = CONFIGS[config]
+    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+    model = abstract_model(config, mesh)
+    tokens = abstract_tokens(config, mesh)
+    values = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]
+    start = time.perf_counter()
+    lowered = jit(train_step, donate_argnums=0).lower(model, tokens)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    compiled_at = time.perf_counter()
+    memory = compiled.memory_analysis()
+    assert memory is not None, "this backend gives no memory_analysis"
+    cost = compiled.cost_analysis() or {}
+    return AotReport(
+        config=config.name,
+        mesh=dict(mesh.shape),
+        params=sum(v.size for v in values),
+        param_bytes=sum(v.size * jnp.dtype(v.dtype).itemsize for v in values),
+        param_bytes_per_device=sum(map(_shard_bytes, values)),
+        argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes,
+        alias_bytes=memory.alias_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        lower_seconds=lowered_at - start,
+        compile_seconds=compiled_at - lowered_at,
+    )
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line on stderr, exit status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _mesh_option(text: str) -> dict[str, int]:
+    axes: dict[str, int] = {}
+    for item in text.split(","):
+        name, eq, size = (part.strip() for part in item.partition("="))
+        if not eq or name not in AXES:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=SIZE pairs with NAME in {AXES}, e.g. data=2,model=4; got {item!r}"
+            )
+        if name in axes:
+            raise argparse.ArgumentTypeError(f"axis {name!r} is given twice")
+        if not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive size for {name!r}, got {size!r}")
+        axes[name] = int(size)
+    return {name: axes[name] for name in AXES if name in axes}  # 'model' innermost
+
+
+def _default_mesh(devices: int) -> dict[str, int]:
+    """``data=2,model=N/2`` for an even device count, else ``model=N``."""
+    return {"data": 2, "model": devices // 2} if devices % 2 == 0 else {"model": devices}
+
+
+def aot_main(argv: Sequence[str]) -> int:
+    """``python -m nnx_sharding aot --config NAME --mesh data=2,model=4``: prints the report.
+
+    Uses the devices jax already has (the caller configures them); the mesh must use
+    all of them. A bad option exits with one line on stderr and status 2.
+
+    Returns:
+      The exit status, 0.
+    """
+    parser = _Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--config", default="1b", help=f"one of {', '.join(CONFIGS)} (default: 1b)")
+    parser.add_argument(
+        "--mesh",
+        type=_mesh_option,
+        default=None,
+        help="mesh axes, e.g. data=2,model=4 (default: data=2 and model the rest)",
+    )
+    args = parser.parse_args(list(argv))
+    if args.config not in CONFIGS:
+        parser.error(f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)}")
+    devices = jax.device_count()
+    mesh = args.mesh or _default_mesh(devices)
+    shown = ",".join(f"{k}={v}" for k, v in mesh.items())
+    if math.prod(mesh.values()) != devices:
+        parser.error(
+            f"--mesh {shown} has {math.prod(mesh.values())} devices, but jax has {devices}"
+        )
+    wrong = _indivisible(CONFIGS[args.config], make_mesh(mesh))
+    if wrong:
+        parser.error(f"--mesh {shown} cannot shard config {args.config!r}: {wrong[0]}")
+    report = aot_report(args.config, mesh)
+    Console().print(report)
+    return 0
