@@ -308,11 +308,12 @@ def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
       in_shardings: pytree prefix of the positional arguments; at a graph node a
         `StateSharding`, or one Sharding/PartitionSpec/None for all its Variables.
       out_shardings: the same for the output.
-      static_argnums, static_argnames, donate_argnums, donate_argnames, keep_unused,
-        device, backend, inline, compiler_options: as in ``jax.jit``; a donated
-        module's Variables receive the new buffers. As with ``jax.jit``, donated
-        buffers are consumed when the program starts, so a call that fails at run
-        time leaves the donated Variables holding deleted arrays (values lost).
+      static_argnums, static_argnames, donate_argnums, donate_argnames: as in
+        ``jax.jit``; a donated module's Variables receive the new buffers. As with
+        ``jax.jit``, donated buffers are consumed when the program starts, so a
+        call that fails at run time leaves the donated Variables holding deleted
+        arrays (values lost).
+      keep_unused, device, backend, inline, compiler_options: as in ``jax.jit``.
 
     Returns:
       A `JitWrapped`.
