@@ -362,32 +362,31 @@ def structure_mismatch(transform: str, differences: Sequence[str]) -> str:
     )
 
 
-def shard_map_without_mesh(transform: str) -> str:
+def structure_changed(
+    transform: str, argument: str, wheres: Sequence[str], why: str, where_else: str
+) -> str:
+    """The function changed the graph structure of inputs whose structure must stay."""
     return format_message(
         transform,
-        "mesh",
-        ["no mesh was given and none is set in the context"],
-        "Rule: shard_map maps over the axes of a mesh: the `mesh=` argument, or the one "
-        "set with `jax.set_mesh`.",
+        argument,
+        [f"the function changed the graph structure of {w}" for w in wheres],
+        f"Rule: {why}, so the function may update Variable values but not add, remove or "
+        "replace attributes, Variables or submodules.",
         [
-            "pass `mesh=jax.make_mesh(...)`;",
-            "or call it inside `with jax.set_mesh(mesh):`.",
+            f"make the structure change outside the {where_else};",
+            "or return the new objects as outputs instead of attaching them to an input.",
         ],
     )
 
 
-def structure_changed(transform: str, wheres: Sequence[str]) -> str:
+def no_mesh(transform: str, why: str, how: str) -> str:
+    """No ``mesh=`` argument and no mesh set with ``jax.set_mesh``."""
     return format_message(
         transform,
-        "arguments",
-        [f"the function changed the graph structure of {w}" for w in wheres],
-        "Rule: inside shard_map each device holds its own shard of a module, so the "
-        "function may update Variable values but not add, remove or replace attributes, "
-        "Variables or submodules.",
-        [
-            "make the structure change outside the shard_map, before or after the call;",
-            "or return the new objects as outputs instead of attaching them to an input.",
-        ],
+        "mesh",
+        ["no mesh was given and none is set in the context"],
+        f"Rule: {why}: the `mesh=` argument, or the one set with `jax.set_mesh`.",
+        [f"pass one, e.g. `{how}`;", "or call it inside `with jax.set_mesh(mesh):`."],
     )
 
 
@@ -501,19 +500,6 @@ def unknown_mesh_axes(
     )
 
 
-def no_mesh(transform: str) -> str:
-    return format_message(
-        transform,
-        "mesh",
-        ["no mesh was given and none is set"],
-        "Rule: PartitionSpecs from metadata need a mesh to become shardings.",
-        [
-            "pass one, e.g. `shard(model, mesh)`;",
-            "or call it inside `with jax.set_mesh(mesh):`.",
-        ],
-    )
-
-
 def cannot_place(transform: str, path: str, detail: str, jax_message: str) -> str:
     return format_message(
         transform,
@@ -599,21 +585,6 @@ def aot_indivisible(transform: str, config: str, problems: Sequence[str]) -> str
         [
             "use a mesh whose axes divide these sizes, e.g. `{'data': 2, 'model': 4}`;",
             "or a config with sizes the mesh divides.",
-        ],
-    )
-
-
-def export_structure_changed(transform: str, wheres: Sequence[str]) -> str:
-    return format_message(
-        transform,
-        "fun",
-        [f"the function changed the graph structure of {w}" for w in wheres],
-        "Rule: an exported program takes and returns module *states*; the graph structure "
-        "(attributes, Variables, submodules) cannot travel with it, so the function may "
-        "update Variable values but not add, remove or replace them.",
-        [
-            "make the structure change outside the exported function, before exporting;",
-            "or return the new values as outputs instead of attaching them to an input.",
         ],
     )
 

@@ -29,12 +29,14 @@ from ._graph import (
     CallSpec,
     Leaf,
     Site,
-    _full_inputs,
-    _unflatten_all,
+    chunks,
+    full_inputs,
     split_call,
+    unflatten_all,
 )
 from ._jit import JitWrapped, make_inner
 from ._sharding import format_path, is_node
+from ._stages import arrange
 
 Path = tuple[Any, ...]
 
@@ -281,32 +283,11 @@ def _resolve(sharding: Any) -> NamedSharding | None:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _chunks(plan: CallPlan, values: Sequence[Any]) -> list[Sequence[Any]]:
-    out, start = [], 0
-    for size in plan.sizes:
-        out.append(values[start : start + size])
-        start += size
-    return out
-
-
-def _arrange(plan: CallPlan, sites: Sequence[Site], values: Sequence[Any]) -> Any:
-    """Per-leaf values -> ``(dyn_args, dyn_kwargs)`` with a State at each graph node."""
-    call_leaves = [
-        chunk[0]
-        if graphdef is None
-        else _nested_state((site.path, v) for site, v in zip(here, chunk, strict=True))
-        for graphdef, chunk, here in zip(
-            plan.graphdefs, _chunks(plan, values), _chunks(plan, sites), strict=True
-        )
-    ]
-    return jax.tree_util.tree_unflatten(plan.treedef, call_leaves)
-
-
 def _node_states(plan: CallPlan, sites: Sequence[Site], values: Sequence[Any]) -> tuple:
     return tuple(
         _nested_state((site.path, v) for site, v in zip(here, chunk, strict=True))
         for graphdef, chunk, here in zip(
-            plan.graphdefs, _chunks(plan, values), _chunks(plan, sites), strict=True
+            plan.graphdefs, chunks(values, plan.sizes), chunks(sites, plan.sizes), strict=True
         )
         if graphdef is not None
     )
@@ -321,7 +302,13 @@ def _states_by_path(
     """
     states, changed = [], []
     for node, graphdef, size, new_size, here, where in zip(
-        nodes, plan.graphdefs, plan.sizes, sizes, _chunks(plan, sites), plan.wheres, strict=True
+        nodes,
+        plan.graphdefs,
+        plan.sizes,
+        sizes,
+        chunks(sites, plan.sizes),
+        plan.wheres,
+        strict=True,
     ):
         if graphdef is None:
             continue
@@ -332,7 +319,16 @@ def _states_by_path(
         else:
             states.append(_nested_state((p, values[p]) for p in paths))
     if changed:
-        raise ValueError(_errors.export_structure_changed("export", changed))
+        raise ValueError(
+            _errors.structure_changed(
+                "export",
+                "fun",
+                changed,
+                "an exported program takes and returns module states; the graph structure "
+                "cannot travel with it",
+                "exported function, before exporting",
+            )
+        )
     return tuple(states)
 
 
@@ -404,7 +400,7 @@ def export(
             call_leaves = jax.tree.leaves((dyn_args, dyn_kwargs), is_leaf=_is_state)
             flat: list[Leaf] = []
             for leaf, graphdef, here in zip(
-                call_leaves, plan.graphdefs, _chunks(plan, sites), strict=True
+                call_leaves, plan.graphdefs, chunks(sites, plan.sizes), strict=True
             ):
                 if graphdef is None:
                     flat.append(leaf)
@@ -413,10 +409,10 @@ def export(
                     flat += [values[tuple(site.path)] for site in here]
             donated, kept = plan.partition(flat)
             out_plan, in_flat, out_flat = inner(donated, kept)
-            full = _full_inputs(out_plan, flat, in_flat)
+            full = full_inputs(out_plan, flat, in_flat)
             with nnx.merge_context() as ctx:
-                in_nodes = _unflatten_all(ctx, out_plan.in_graphdefs, full, out_plan.in_sizes)
-                out_leaves = _unflatten_all(
+                in_nodes = unflatten_all(ctx, out_plan.in_graphdefs, full, out_plan.in_sizes)
+                out_leaves = unflatten_all(
                     ctx, out_plan.out_graphdefs, out_flat, out_plan.out_sizes
                 )
             outputs = jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
@@ -431,7 +427,7 @@ def export(
         exported_fun.__qualname__ = getattr(fun, "__qualname__", exported_fun.__name__)
         out_shardings = (None, _node_states(plan, sites, shardings))
         jitted = jax.jit(exported_fun, out_shardings=out_shardings)
-        dyn_args, dyn_kwargs = _arrange(plan, sites, avals)
+        dyn_args, dyn_kwargs = arrange(plan, sites, avals, _nested_state)
         exported = jax.export.export(jitted, platforms=platforms)(*dyn_args, **dyn_kwargs)
     return Exported(exported)
 

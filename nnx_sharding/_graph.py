@@ -255,7 +255,8 @@ def split_call(
     return plan, leaves, sites, items
 
 
-def _chunks(leaves: Sequence[Leaf], sizes: Sequence[int]) -> list[Sequence[Leaf]]:
+def chunks(leaves: Sequence[Leaf], sizes: Sequence[int]) -> list[Sequence[Leaf]]:
+    """Flat leaves cut into one run per treedef leaf (``sizes`` from a `CallPlan`)."""
     out, start = [], 0
     for size in sizes:
         out.append(leaves[start : start + size])
@@ -263,19 +264,19 @@ def _chunks(leaves: Sequence[Leaf], sizes: Sequence[int]) -> list[Sequence[Leaf]
     return out
 
 
-def _unflatten_all(
+def unflatten_all(
     ctx: Any, graphdefs: Sequence[GraphDef], leaves: Sequence[Leaf], sizes: Sequence[int]
 ) -> list[Any]:
     return [
         chunk[0] if graphdef is None else ctx.unflatten(graphdef, list(chunk))
-        for graphdef, chunk in zip(graphdefs, _chunks(leaves, sizes), strict=True)
+        for graphdef, chunk in zip(graphdefs, chunks(leaves, sizes), strict=True)
     ]
 
 
 def merge_inputs(plan: CallPlan, leaves: Sequence[Leaf]) -> tuple[tuple, dict, list[Any]]:
     """Step 2 (inside the trace). Returns the call's args, kwargs and its inner leaves."""
     with nnx.merge_context(TAG, inner=True) as ctx:
-        call_leaves = _unflatten_all(ctx, plan.graphdefs, leaves, plan.sizes)
+        call_leaves = unflatten_all(ctx, plan.graphdefs, leaves, plan.sizes)
     dyn_args, kwargs = jax.tree_util.tree_unflatten(plan.treedef, call_leaves)
     args = list(dyn_args)
     for key, value in plan.statics:
@@ -445,7 +446,7 @@ def deleted_leaves(error: BaseException, leaves: Sequence[Leaf]) -> list[int]:
     ]
 
 
-def _full_inputs(
+def full_inputs(
     out_plan: OutPlan, leaves: Sequence[Leaf], in_flat: Sequence[Leaf]
 ) -> Sequence[Leaf]:
     if out_plan.in_changed is None:
@@ -457,8 +458,8 @@ def _full_inputs(
 
 
 def _merge(ctx: Any, out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]) -> Any:
-    _unflatten_all(ctx, out_plan.in_graphdefs, in_flat, out_plan.in_sizes)
-    out_leaves = _unflatten_all(ctx, out_plan.out_graphdefs, out_flat, out_plan.out_sizes)
+    unflatten_all(ctx, out_plan.in_graphdefs, in_flat, out_plan.in_sizes)
+    out_leaves = unflatten_all(ctx, out_plan.out_graphdefs, out_flat, out_plan.out_sizes)
     return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
 
 
@@ -470,7 +471,7 @@ def merge_call(
     ``leaves`` are the flat leaves the call was made with.
     """
     with nnx.merge_context(TAG, inner=False) as ctx:
-        return _merge(ctx, out_plan, _full_inputs(out_plan, leaves, in_flat), out_flat)
+        return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)
 
 
 def merge_abstract(
@@ -479,4 +480,4 @@ def merge_abstract(
     """Like `merge_call` but into new objects: for abstract (shape-only) outputs."""
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]
     with nnx.merge_context() as ctx:
-        return _merge(ctx, out_plan, _full_inputs(out_plan, leaves, in_flat), out_flat)
+        return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)

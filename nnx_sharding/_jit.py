@@ -18,6 +18,7 @@ from ._graph import (
     InnerSplit,
     Leaf,
     NeedsTrace,
+    chunks,
     merge_inputs,
     snapshots,
     split_inner,
@@ -183,16 +184,14 @@ def _inner_shardings(plan: CallPlan, call_leaves: Sequence[Any]) -> SiteSharding
     table: SiteShardings = {}
     if all(s is None for s in plan.shardings):
         return table
-    start = 0
+    runs = chunks(plan.shardings, plan.sizes)
     with nnx.split_context() as ctx:
-        for leaf, size, where in zip(call_leaves, plan.sizes, plan.wheres, strict=True):
+        for leaf, run, where in zip(call_leaves, runs, plan.wheres, strict=True):
             if is_node(leaf):
                 _, flat = ctx.flatten(leaf)
-                chunk = plan.shardings[start : start + size]
-                for path, item, sharding in zip(flat.paths, flat.leaves, chunk, strict=True):
+                for path, item, sharding in zip(flat.paths, flat.leaves, run, strict=True):
                     if sharding is not None:
                         table[id(item)] = (sharding, where + format_path(path))
-            start += size
     return table
 
 

@@ -204,7 +204,11 @@ def shard(tree: T, mesh: Mesh | None = None, rules: Rules | None = None) -> T:
     """
     target = mesh if mesh is not None else context_mesh()
     if target is None:
-        raise ValueError(_errors.no_mesh("shard"))
+        raise ValueError(
+            _errors.no_mesh(
+                "shard", "PartitionSpecs from metadata need a mesh", "shard(model, mesh)"
+            )
+        )
     placed: list[tuple[nnx.Variable, Any]] = []  # all or nothing: set once every put worked
     for path, var, spec in metadata_specs("shard", tree, rules, target):
         if spec is None:

@@ -112,7 +112,11 @@ class ShardMapFn(CachedCall[P, R]):
             return self.mesh
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
-            raise ValueError(_errors.shard_map_without_mesh("shard_map"))
+            raise ValueError(
+                _errors.no_mesh(
+                    "shard_map", "shard_map maps over the axes of a mesh", "mesh=jax.make_mesh(...)"
+                )
+            )
         return mesh
 
     def _manual_axes(self, mesh: Mesh | AbstractMesh) -> frozenset[AxisName]:
@@ -156,7 +160,15 @@ class ShardMapFn(CachedCall[P, R]):
                 split = split_inner(plan, call_leaves, before, self.fun(*args, **kwargs))
                 if not split.kept_structure:
                     wheres = changed_structure(plan, before)
-                    raise ValueError(_errors.structure_changed("shard_map", wheres))
+                    raise ValueError(
+                        _errors.structure_changed(
+                            "shard_map",
+                            "arguments",
+                            wheres,
+                            "inside shard_map each device holds its own shard of a module",
+                            "shard_map, before or after the call",
+                        )
+                    )
                 grouped, order = self._group(split)
                 changed = tuple(
                     i

@@ -10,7 +10,7 @@ abstract module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ from ._graph import (
     Leaf,
     Site,
     call_flat,
+    chunks,
     merge_abstract,
     merge_call,
     split_call,
@@ -86,7 +87,7 @@ class _Stage:
         """See `jax.stages.Lowered.args_info`; graph nodes as ``nnx.State`` of ``ArgInfo``."""
         donated, kept = self._jax.args_info[0]
         infos = self._plan.join(donated, kept)
-        return _arrange(self._plan, self._sites, infos)
+        return arrange(self._plan, self._sites, infos)
 
     @property
     def out_info(self) -> Any:
@@ -104,17 +105,21 @@ class _Stage:
     )
 
 
-def _arrange(plan: CallPlan, sites: Sequence[Site], infos: Sequence[Any]) -> Any:
+def arrange(
+    plan: CallPlan,
+    sites: Sequence[Site],
+    values: Sequence[Any],
+    to_state: Callable[[Iterable[tuple[Any, Any]]], nnx.State] = nnx.from_flat_state,
+) -> Any:
     """Per-leaf values -> the caller's ``(args, kwargs)``; graph nodes become States."""
-    call_leaves, start = [], 0
-    for graphdef, size in zip(plan.graphdefs, plan.sizes, strict=True):
-        chunk, here = infos[start : start + size], sites[start : start + size]
-        if graphdef is None:
-            call_leaves.append(chunk[0])
-        else:
-            pairs = [(site.path, info) for site, info in zip(here, chunk, strict=True)]
-            call_leaves.append(nnx.from_flat_state(pairs))
-        start += size
+    call_leaves = [
+        chunk[0]
+        if graphdef is None
+        else to_state([(site.path, v) for site, v in zip(here, chunk, strict=True)])
+        for graphdef, chunk, here in zip(
+            plan.graphdefs, chunks(values, plan.sizes), chunks(sites, plan.sizes), strict=True
+        )
+    ]
     return jax.tree_util.tree_unflatten(plan.treedef, call_leaves)
 
 

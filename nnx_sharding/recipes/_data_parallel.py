@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from .._jit import jit
 from .._shard_map import shard_map
 from ._model import MLP, Array, Step, mse
-from ._specs import AxisName, megatron_sharding, on_mesh
+from ._specs import AxisName, megatron_sharding, sharded_step
 from ._tensor_parallel import tp_forward
 
 Grads = nnx.State
@@ -83,13 +83,4 @@ def data_tensor_parallel_step(
     def loss_fn(model: MLP, x: Array, y: Array) -> Array:
         return jax.lax.pmean(mse(tp_forward(model, x, model_axis), y), data)
 
-    shardings = on_mesh(mesh, specs)
-    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P(data))
-
-    @jit(in_shardings=(shardings, shardings, batch, batch), out_shardings=replicated)
-    def step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
-        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-        optimizer.update(model, grads)
-        return loss
-
-    return step
+    return sharded_step(mesh, loss_fn, specs, P(data))

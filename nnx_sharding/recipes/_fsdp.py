@@ -6,14 +6,13 @@ from typing import Any, TypeVar
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .._jit import jit
 from .._shard_map import shard_map
 from .._sharding import StateSharding
 from ._model import MLP, Array, Step, mse
-from ._specs import AxisName, PathEndsWith, as_spec, on_mesh, spec_dim
+from ._specs import AxisName, PathEndsWith, as_spec, sharded_step, spec_dim
 from ._tensor_parallel import tp_forward
 
 M = TypeVar("M", bound=nnx.Module)
@@ -95,13 +94,4 @@ def fsdp_step(
         full = gather_params(model, sharding, data)
         return jax.lax.pmean(mse(tp_forward(full, x, model_axis), y), data)
 
-    shardings = on_mesh(mesh, sharding)
-    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P(data))
-
-    @jit(in_shardings=(shardings, shardings, batch, batch), out_shardings=replicated)
-    def step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
-        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-        optimizer.update(model, grads)
-        return loss
-
-    return step
+    return sharded_step(mesh, loss_fn, sharding, P(data))

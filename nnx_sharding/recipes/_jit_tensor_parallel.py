@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from .._jit import jit
-from ._model import MLP, Array, Step, mse
-from ._specs import AxisName, megatron_sharding, on_mesh
+from ._model import Step, mse
+from ._specs import AxisName, megatron_sharding, sharded_step
 
 
 def jit_tensor_parallel_step(mesh: Mesh, axis: AxisName = "model") -> Step:
@@ -22,19 +19,10 @@ def jit_tensor_parallel_step(mesh: Mesh, axis: AxisName = "model") -> Step:
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> from nnx_sharding.recipes import make_mesh, make_optimizer
+    >>> from nnx_sharding.recipes import MLP, make_mesh, make_optimizer
     >>> model = MLP(2, 8, 3, rngs=nnx.Rngs(0))
     >>> step = jit_tensor_parallel_step(make_mesh({'model': 1}))
     >>> step(model, make_optimizer(model), jnp.ones((4, 2)), jnp.ones((4, 3))).shape
     ()
     """
-    shardings = on_mesh(mesh, megatron_sharding(axis))
-    replicated = NamedSharding(mesh, P())
-
-    @jit(in_shardings=(shardings, shardings, replicated, replicated), out_shardings=replicated)
-    def step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
-        loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
-        optimizer.update(model, grads)
-        return loss
-
-    return step
+    return sharded_step(mesh, lambda m, x, y: mse(m(x), y), megatron_sharding(axis))

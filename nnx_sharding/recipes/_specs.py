@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._jit import jit
 from .._sharding import ShardingLike, StateSharding
+from ._model import MLP, Array, Step
 
 AxisName: TypeAlias = str
 PathParts: TypeAlias = tuple[Any, ...]
@@ -70,6 +73,30 @@ def on_mesh(mesh: Mesh, sharding: StateSharding) -> StateSharding:
             for f, s in zip(sharding.filters, sharding.shardings, strict=True)
         ]
     )
+
+
+LossFn: TypeAlias = Callable[[MLP, Array, Array], Array]
+"""``loss_fn(model, x, y) -> loss``."""
+
+
+def sharded_step(
+    mesh: Mesh, loss_fn: LossFn, params: StateSharding, batch: P | None = None
+) -> Step:
+    """The jitted adam step the recipes share: ``value_and_grad(loss_fn)``, then
+    ``optimizer.update``. Parameters and optimizer state are laid out by ``params``,
+    ``x`` and ``y`` by ``batch`` (replicated if None), the loss comes back replicated.
+    """
+    shardings = on_mesh(mesh, params)
+    replicated = NamedSharding(mesh, P())
+    batched = replicated if batch is None else NamedSharding(mesh, batch)
+
+    @jit(in_shardings=(shardings, shardings, batched, batched), out_shardings=replicated)
+    def step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
 
 
 def make_mesh(axes: Mapping[AxisName, int]) -> Mesh:

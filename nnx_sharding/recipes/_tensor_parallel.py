@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .._jit import jit
 from .._shard_map import shard_map
 from ._model import MLP, Array, Step, mse
-from ._specs import AxisName, megatron_sharding, on_mesh
+from ._specs import AxisName, megatron_sharding, sharded_step
 
 
 def tp_forward(model: MLP, x: Array, axis: AxisName | None = "model") -> Array:
@@ -61,13 +60,4 @@ def tensor_parallel_step(mesh: Mesh, axis: AxisName = "model") -> Step:
     def loss_fn(model: MLP, x: Array, y: Array) -> Array:
         return mse(tp_forward(model, x, axis), y)
 
-    shardings = on_mesh(mesh, specs)
-    replicated = NamedSharding(mesh, P())
-
-    @jit(in_shardings=(shardings, shardings, replicated, replicated), out_shardings=replicated)
-    def step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
-        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-        optimizer.update(model, grads)
-        return loss
-
-    return step
+    return sharded_step(mesh, loss_fn, specs)
