@@ -78,6 +78,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command line (``aot ...``: ahead-of-time compile; else train); the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["aot"]:  # python -m nnx_sharding aot --config NAME --mesh data=2,model=4
         import jax

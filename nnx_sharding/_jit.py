@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
 
 import jax
 from flax import nnx
@@ -26,15 +26,17 @@ from ._graph import (
 )
 from ._sharding import (
     ShardingLike,
+    accept_flax,
     format_path,
     incompatible_shardings,
     is_node,
     variable_shardings,
 )
+from ._types import Device
 
 P = ParamSpec("P")
 R = TypeVar("R")
-Shardings = Any
+Shardings: TypeAlias = Any
 """A pytree prefix of shardings, PartitionSpecs, `StateSharding`s and Nones."""
 
 
@@ -119,7 +121,7 @@ class JitWrapped(CachedCall[P, R]):
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Iterable[str] | None = None,
         keep_unused: bool = False,
-        device: jax.Device | None = None,
+        device: Device | None = None,
         backend: str | None = None,
         inline: bool = False,
         compiler_options: dict[str, Any] | None = None,
@@ -137,7 +139,11 @@ class JitWrapped(CachedCall[P, R]):
         donate = resolve_argnums(fun, donate_argnums, donate_argnames)
         check_overlap("jit", static, donate)
         spec = CallSpec(
-            "jit", *static, *donate, in_shardings=in_shardings, out_shardings=out_shardings
+            "jit",
+            *static,
+            *donate,
+            in_shardings=accept_flax(in_shardings),
+            out_shardings=accept_flax(out_shardings),
         )
         super().__init__(fun, spec)
         self._jit_options = dict(
@@ -175,7 +181,7 @@ def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
     return inner
 
 
-SiteShardings = dict[int, tuple[ShardingLike, str]]
+SiteShardings: TypeAlias = dict[int, tuple[ShardingLike, str]]
 """``id(Variable) -> (sharding, path)``."""
 
 
@@ -273,7 +279,7 @@ def jit(
     donate_argnums: int | Sequence[int] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
     keep_unused: bool = False,
-    device: jax.Device | None = None,
+    device: Device | None = None,
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
@@ -289,7 +295,7 @@ def jit(
     donate_argnums: int | Sequence[int] | None = None,
     donate_argnames: str | Iterable[str] | None = None,
     keep_unused: bool = False,
-    device: jax.Device | None = None,
+    device: Device | None = None,
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
@@ -305,7 +311,8 @@ def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
     Args:
       fun: the function; omit it to use ``jit(...)`` as a decorator factory.
       in_shardings: pytree prefix of the positional arguments; at a graph node a
-        `StateSharding`, or one Sharding/PartitionSpec/None for all its Variables.
+        `StateSharding` (flax's ``nnx.StateSharding`` is converted into one), or one
+        Sharding/PartitionSpec/None for all its Variables.
       out_shardings: the same for the output.
       static_argnums, static_argnames, donate_argnums, donate_argnames: as in
         ``jax.jit``; a donated module's Variables receive the new buffers. As with

@@ -9,6 +9,7 @@ from typing import Any, TypeAlias
 import jax
 from flax import nnx
 from flax.nnx import graph as nnx_graph
+from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from . import _errors
@@ -79,7 +80,9 @@ class StateSharding:
 
     def __init__(
         self,
-        spec: Mapping[Filter, ShardingLike] | Iterable[tuple[Filter, ShardingLike]] | nnx.State,
+        spec: Mapping[Filter, ShardingLike]
+        | Iterable[tuple[Filter, ShardingLike]]
+        | nnx.State[Any, Any],
     ):
         if isinstance(spec, nnx.State):
             pairs = [(AtPath(tuple(p)), v) for p, v in _state_items(spec)]
@@ -164,6 +167,37 @@ class StateSharding:
             f"{_filter_repr(f)}: {s!r}" for f, s in zip(self.filters, self.shardings, strict=True)
         )
         return f"StateSharding({{{items}}})"
+
+
+def from_flax(sharding: nnx.StateSharding) -> StateSharding:
+    """flax's own ``nnx.StateSharding`` as a `StateSharding`: the same filters and
+    shardings, in the same order (only its public ``filters``/``shardings`` are read).
+
+    Each value is then checked as ours are: a Sharding, a PartitionSpec or None.
+
+    >>> from flax import nnx
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from_flax(nnx.StateSharding({nnx.Param: P(None, 'model'), ...: None}))
+    StateSharding({Param: P(None, 'model'), Ellipsis: None})
+    """
+    return StateSharding(zip(sharding.filters, sharding.shardings, strict=True))
+
+
+def _is_prefix_or_flax_leaf(x: Any) -> bool:
+    return isinstance(x, nnx.StateSharding) or is_prefix_leaf(x)
+
+
+def accept_flax(prefix: Any) -> Any:
+    """``prefix`` (in_shardings, out_specs, ...) with each flax ``nnx.StateSharding``
+    in it replaced by ours (`from_flax`); ``prefix`` itself when it holds none."""
+    leaves = jax.tree_util.tree_leaves(prefix, is_leaf=_is_prefix_or_flax_leaf)
+    if not any(isinstance(x, nnx.StateSharding) for x in leaves):
+        return prefix
+    return jax.tree.map(
+        lambda x: from_flax(x) if isinstance(x, nnx.StateSharding) else x,
+        prefix,
+        is_leaf=_is_prefix_or_flax_leaf,
+    )
 
 
 def _pairs(spec: Any) -> list[tuple[Filter, Any]]:
@@ -393,7 +427,7 @@ def mismatched_shardings(
         if (
             sharding is None
             or not isinstance(leaf, jax.Array)
-            or isinstance(leaf, jax.core.Tracer)
+            or isinstance(leaf, Tracer)
             or not leaf.committed
         ):
             continue

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
 from nnx_sharding import StateSharding
+from nnx_sharding._sharding import accept_flax, from_flax
 
 MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
 X = jnp.linspace(-1.0, 1.0, 32).reshape(8, 4)
@@ -402,3 +403,95 @@ def test_static_argnums_with_in_shardings_for_dynamic_args_only():
     )
     with jax.set_mesh(MESH), pytest.raises(ValueError, match="pytree prefix"):
         one_entry_per_argument(MLP(), 2.0, X)
+
+
+# --- flax's own nnx.StateSharding, accepted and converted ---------------------------------
+
+MLP_PAIRS = [
+    (nnx.PathContains("kernel"), P(None, "model")),
+    ([nnx.Param, nnx.BatchStat], P("model")),
+]
+FLAX_MLP_SHARDING = nnx.StateSharding(MLP_PAIRS)
+
+
+def test_flax_state_sharding_converts_to_ours():
+    ours = from_flax(FLAX_MLP_SHARDING)
+    assert type(ours) is StateSharding and ours == MLP_SHARDING
+    prefix = (FLAX_MLP_SHARDING, [None, {"x": FLAX_MLP_SHARDING}], P("data"))
+    assert accept_flax(prefix) == (
+        MLP_SHARDING,
+        [None, {"x": MLP_SHARDING}],
+        P("data"),
+    )
+    unchanged = (MLP_SHARDING, None)
+    assert accept_flax(unchanged) is unchanged
+
+
+@pytest.mark.parametrize("where", ["in_shardings", "out_shardings"])
+def test_jit_with_flax_state_sharding_shards_as_ours(where):
+    def run(sharding):
+        model = MLP()
+        if where == "in_shardings":
+            f = nnx_sharding.jit(sgd_step, in_shardings=(sharding, P("data")))
+        else:
+            f = nnx_sharding.jit(lambda m, x: (m, sgd_step(m, x)), out_shardings=(sharding, None))
+        unplaced = MLP()  # built outside the mesh: flax would shard it eagerly there
+        with jax.set_mesh(MESH):
+            f(model, X)
+            compiled = f.lower(unplaced, X).compile()
+        variables = {p: v.get_value().sharding for p, v in flat_variables(model).items()}
+        return variables, compiled.input_shardings, compiled.output_shardings
+
+    ours, theirs = run(MLP_SHARDING), run(FLAX_MLP_SHARDING)
+    assert theirs == ours
+    assert {p: s.spec for p, s in theirs[0].items()} == MLP_SPECS
+
+
+def test_jit_with_flax_state_sharding_from_a_state():
+    spec = jax.tree.map(lambda x: P("model"), nnx.state(MLP()))
+    model = MLP()
+    with jax.set_mesh(MESH):
+        nnx_sharding.jit(sgd_step, in_shardings=(nnx.StateSharding(spec), None))(model, X)
+    assert specs_of(model) == dict.fromkeys(MLP_SPECS, P("model"))
+
+
+def test_shard_map_with_flax_state_sharding():
+    model, reference = nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    specs = nnx.StateSharding({nnx.PathContains("kernel"): P(None, "model"), ...: P("model")})
+    seen = []
+
+    @nnx_sharding.shard_map(mesh=MESH, in_specs=(specs, P("data")), out_specs=P("data", "model"))
+    def forward(m, x):
+        seen.append((m.kernel.shape, m.bias.shape, x.shape))
+        return m(x)
+
+    np.testing.assert_allclose(forward(model, X), reference(X), rtol=1e-6, atol=1e-6)
+    assert seen == [((4, 2), (2,), (4, 4))]
+
+    @nnx_sharding.shard_map(mesh=MESH, in_specs=(specs,), out_specs=specs)
+    def copy(m):
+        return nnx.clone(m)
+
+    out = copy(model)
+    assert out is not model
+    assert specs_of(out) == {("kernel",): P(None, "model"), ("bias",): P("model")}
+    assert_same_numbers(out, reference)
+
+
+def test_flax_state_sharding_unmatched_variable_names_the_path():
+    f = nnx_sharding.jit(lambda m: None, in_shardings=nnx.StateSharding({nnx.BatchStat: None}))
+    with pytest.raises(ValueError, match=r"^jit: in_shardings: ") as info:
+        f(MLP())
+    assert "Variable at args[0].bn.bias (type Param) matches none" in str(info.value)
+    g = nnx_sharding.shard_map(
+        nnx.clone, mesh=MESH, in_specs=(P(),), out_specs=nnx.StateSharding({nnx.Param: P()})
+    )
+    with pytest.raises(ValueError, match=r"out_specs") as info:
+        g(MLP())
+    assert "output.bn.mean (type BatchStat) matches none" in str(info.value)
+
+
+def test_flax_state_sharding_values_are_checked_as_ours():
+    # flax's class takes any value; ours wants a Sharding, a PartitionSpec or None
+    with pytest.raises(TypeError, match=r"the value for filter .*Param.* is a"):
+        nnx_sharding.jit(lambda m: m, in_shardings=nnx.StateSharding({nnx.Param: "model"}))

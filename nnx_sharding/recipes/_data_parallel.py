@@ -49,7 +49,7 @@ def data_parallel_step(mesh: Mesh, axis: AxisName = "data") -> Step:
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P(axis))
 
     @jit(in_shardings=(replicated, replicated, batch, batch), out_shardings=replicated)
-    def step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
+    def step(model: MLP, optimizer: nnx.Optimizer[MLP], x: Array, y: Array) -> Array:
         loss, grads = loss_and_grads(model, x, y)
         optimizer.update(model, grads)
         return loss

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +15,11 @@ from jax.sharding import PartitionSpec, Sharding
 Array: TypeAlias = jax.Array
 Batch: TypeAlias = tuple[Array, Array]
 """Inputs ``x`` of shape ``(batch, din)`` and targets ``y`` of shape ``(batch, dout)``."""
-Step: TypeAlias = Callable[["MLP", nnx.Optimizer, Array, Array], Array]
+Step: TypeAlias = Callable[["MLP", "nnx.Optimizer[MLP]", Array, Array], Array]
 """``step(model, optimizer, x, y) -> loss``: one optimizer step, in place."""
 OnStep: TypeAlias = Callable[[int, Array], None]
 """``on_step(index, loss)``, called after each step of `train`."""
+M = TypeVar("M", bound=nnx.Module)
 
 
 class MLP(nnx.Module):
@@ -31,8 +32,8 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs):
-        self.up = nnx.Linear(din, hidden, rngs=rngs)
-        self.down = nnx.Linear(hidden, dout, rngs=rngs)
+        self.up: nnx.Linear = nnx.Linear(din, hidden, rngs=rngs)
+        self.down: nnx.Linear = nnx.Linear(hidden, dout, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
         return self.down(nnx.relu(self.up(x)))
@@ -47,7 +48,7 @@ def mse(prediction: Array, target: Array) -> Array:
     return jnp.mean((prediction - target) ** 2)
 
 
-def make_optimizer(model: nnx.Module, learning_rate: float = 1e-2) -> nnx.Optimizer:
+def make_optimizer(model: M, learning_rate: float = 1e-2) -> nnx.Optimizer[M]:
     """``nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)``.
 
     Adam's moments mirror the parameters' paths (``opt_state[0].mu.up.kernel``), so a
@@ -88,7 +89,7 @@ def reference_step() -> Step:
     """
 
     @nnx.jit
-    def step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
+    def step(model: MLP, optimizer: nnx.Optimizer[MLP], x: Array, y: Array) -> Array:
         loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
         optimizer.update(model, grads)
         return loss
@@ -99,7 +100,7 @@ def reference_step() -> Step:
 def train(
     step: Step,
     model: MLP,
-    optimizer: nnx.Optimizer,
+    optimizer: nnx.Optimizer[MLP],
     batches: Sequence[Batch],
     steps: int,
     *,

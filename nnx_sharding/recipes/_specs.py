@@ -91,7 +91,7 @@ def sharded_step(
     batched = replicated if batch is None else NamedSharding(mesh, batch)
 
     @jit(in_shardings=(shardings, shardings, batched, batched), out_shardings=replicated)
-    def step(model: MLP, optimizer: nnx.Optimizer, x: Array, y: Array) -> Array:
+    def step(model: MLP, optimizer: nnx.Optimizer[MLP], x: Array, y: Array) -> Array:
         loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
         optimizer.update(model, grads)
         return loss

@@ -1,0 +1,19 @@
+"""Names for the jax types that type checkers cannot see.
+
+jaxlib implements these classes in C++ and ships no type stubs for them, so to
+pyright and mypy ``jax.Device``, ``jax.tree_util.PyTreeDef`` and jaxlib's
+``HloSharding`` are unknown (and not even valid in an annotation). They are
+annotated with these aliases instead: ``Any`` to a type checker, but the name
+says what the value is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+Device: TypeAlias = Any
+"""A ``jax.Device``."""
+PyTreeDef: TypeAlias = Any
+"""A ``jax.tree_util.PyTreeDef``."""
+HloSharding: TypeAlias = Any
+"""jaxlib's ``HloSharding`` (the sharding of an XLA HLO value)."""
