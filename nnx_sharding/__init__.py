@@ -6,6 +6,7 @@ from ._export import export as export
 from ._inspect import inspect_sharding as inspect_sharding
 from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
+from ._launch import initialize_distributed as initialize_distributed
 from ._metadata import shard as shard
 from ._shard_map import ShardMapFn as ShardMapFn
 from ._shard_map import shard_map as shard_map
@@ -28,6 +29,7 @@ __all__ = [
     "Traced",
     "deserialize",
     "export",
+    "initialize_distributed",
     "inspect_sharding",
     "jit",
     "shard",
