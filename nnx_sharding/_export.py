@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.core import ShapedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _errors
@@ -37,8 +39,9 @@ from ._graph import (
 from ._jit import JitWrapped, make_inner
 from ._sharding import format_path, is_node
 from ._stages import arrange
+from ._types import HloSharding, PyTreeDef
 
-Path = tuple[Any, ...]
+Path: TypeAlias = tuple[Any, ...]
 
 
 # --- nnx.State in in_tree/out_tree: jax.export serializes it by its keys -----------------------
@@ -120,21 +123,50 @@ class Exported:
     def __init__(self, exported: jax.export.Exported):
         self.jax_exported = exported
 
-    in_tree = property(lambda self: self.jax_exported.in_tree, doc="See `jax.export.Exported`.")
-    out_tree = property(lambda self: self.jax_exported.out_tree, doc="See `jax.export.Exported`.")
-    in_avals = property(lambda self: self.jax_exported.in_avals, doc="See `jax.export.Exported`.")
-    out_avals = property(lambda self: self.jax_exported.out_avals, doc="See `jax.export.Exported`.")
-    platforms = property(lambda self: self.jax_exported.platforms, doc="See `jax.export.Exported`.")
-    nr_devices = property(
-        lambda self: self.jax_exported.nr_devices, doc="See `jax.export.Exported`."
-    )
-    fun_name = property(lambda self: self.jax_exported.fun_name, doc="See `jax.export.Exported`.")
-    in_shardings_hlo = property(
-        lambda self: self.jax_exported.in_shardings_hlo, doc="See `jax.export.Exported`."
-    )
-    out_shardings_hlo = property(
-        lambda self: self.jax_exported.out_shardings_hlo, doc="See `jax.export.Exported`."
-    )
+    @property
+    def in_tree(self) -> PyTreeDef:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.in_tree
+
+    @property
+    def out_tree(self) -> PyTreeDef:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.out_tree
+
+    @property
+    def in_avals(self) -> tuple[ShapedArray, ...]:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.in_avals
+
+    @property
+    def out_avals(self) -> tuple[ShapedArray, ...]:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.out_avals
+
+    @property
+    def platforms(self) -> tuple[str, ...]:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.platforms
+
+    @property
+    def nr_devices(self) -> int:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.nr_devices
+
+    @property
+    def fun_name(self) -> str:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.fun_name
+
+    @property
+    def in_shardings_hlo(self) -> tuple[HloSharding | None, ...]:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.in_shardings_hlo
+
+    @property
+    def out_shardings_hlo(self) -> tuple[HloSharding | None, ...]:
+        """See `jax.export.Exported`."""
+        return self.jax_exported.out_shardings_hlo
 
     def in_shardings_jax(self, mesh: Any = None) -> Any:
         """The input shardings on ``mesh`` (default: `mesh`), as a pytree like ``in_tree``."""
@@ -181,7 +213,7 @@ class Exported:
         """The program as bytes, for `deserialize`; see `jax.export.Exported.serialize`."""
         return bytes(self.jax_exported.serialize(vjp_order=vjp_order))
 
-    def call(self, *args: Any, **kwargs: Any) -> tuple[Any, tuple[nnx.State, ...]]:
+    def call(self, *args: Any, **kwargs: Any) -> tuple[Any, tuple[nnx.State[Any, Any], ...]]:
         """Runs the program; returns ``(outputs, new_states)``.
 
         Give the dynamic arguments (static ones are baked in) with, at each graph-node
@@ -199,8 +231,15 @@ class Exported:
         expected_leaves = jax.tree.unflatten(self.in_tree, list(range(self.in_tree.num_leaves)))
         expected, expected_def = jax.tree.flatten(expected_leaves, is_leaf=_is_state)
         if given_def != expected_def:
+            have, want = _wheres((args, kwargs), _is_input), _wheres(expected_leaves)
             raise TypeError(
-                _errors.export_structure_mismatch(transform, str(given_def), str(expected_def))
+                _errors.export_structure_mismatch(
+                    transform,
+                    str(given_def),
+                    str(expected_def),
+                    [w for w in want if w not in have],
+                    [w for w in have if w not in want],
+                )
             )
         avals = self.in_avals
         flat: list[Leaf] = []
@@ -210,7 +249,9 @@ class Exported:
             if isinstance(want, nnx.State):
                 if not _is_input(value):
                     problems.append(
-                        f"{place}: expected a graph node or nnx.State, got a {type(value).__name__}"
+                        _errors.export_wrong_kind(
+                            place, "a graph node or nnx.State", type(value).__name__
+                        )
                     )
                     continue
                 have = _flat(value)
@@ -223,7 +264,9 @@ class Exported:
                     problems += _aval_problem(label, flat[-1], avals[index])
             else:
                 if _is_input(value):
-                    problems.append(f"{place}: expected an array, got a {type(value).__name__}")
+                    problems.append(
+                        _errors.export_wrong_kind(place, "an array", type(value).__name__)
+                    )
                     continue
                 flat.append(value)
                 problems += _aval_problem(place, value, avals[want])
@@ -253,8 +296,9 @@ class Exported:
         )
 
 
-def _wheres(expected: Any) -> list[str]:
-    keyed, _ = jax.tree_util.tree_flatten_with_path(expected, is_leaf=_is_state)
+def _wheres(expected: Any, is_leaf: Callable[[Any], bool] = _is_state) -> list[str]:
+    """``args[0]``, ``kwargs['x']``: the name of each leaf of ``(args, kwargs)``."""
+    keyed, _ = jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_leaf)
     out = []
     for keypath, _ in keyed:
         head, rest = keypath[0], keypath[1:]
@@ -272,13 +316,13 @@ def _aval_problem(label: str, value: Any, aval: Any) -> list[str]:
     return []
 
 
-def _resolve(sharding: Any) -> NamedSharding | None:
+def _resolve(sharding: Any, site: Site) -> NamedSharding | None:
     """A leaf's sharding for export: NamedShardings kept, specs bound to the context mesh."""
     if isinstance(sharding, PartitionSpec):
         mesh = jax.sharding.get_mesh()
         mesh = jax.sharding.get_abstract_mesh() if mesh.empty else mesh
         if mesh.empty:
-            raise ValueError(_errors.export_spec_without_mesh("export", repr(sharding)))
+            raise ValueError(_errors.export_spec_without_mesh("export", repr(sharding), str(site)))
         return NamedSharding(mesh, sharding)
     return sharding if isinstance(sharding, NamedSharding) else None
 
@@ -300,7 +344,7 @@ def _states_by_path(
 
     Raises if a node gained or lost a Variable: a new structure cannot travel.
     """
-    states, changed = [], []
+    states, changed, changes = [], [], {}
     for node, graphdef, size, new_size, here, where in zip(
         nodes,
         plan.graphdefs,
@@ -316,6 +360,15 @@ def _states_by_path(
         paths = [tuple(site.path) for site in here]
         if new_size != size or any(p not in values for p in paths):
             changed.append(where)
+            changes[where] = [
+                _errors.graph_change("removed", where + format_path(p), "Variable")
+                for p in paths
+                if p not in values
+            ] + [
+                _errors.graph_change("added", where + format_path(p), "Variable")
+                for p in values
+                if p not in set(paths)
+            ]
         else:
             states.append(_nested_state((p, values[p]) for p in paths))
     if changed:
@@ -327,9 +380,17 @@ def _states_by_path(
                 "an exported program takes and returns module states; the graph structure "
                 "cannot travel with it",
                 "exported function, before exporting",
+                changes,
             )
         )
     return tuple(states)
+
+
+def _is_array(x: Any) -> bool:
+    """What jax takes as an argument: an array, a ShapeDtypeStruct or a scalar."""
+    return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(
+        x, (bool, int, float, complex, np.generic)
+    )
 
 
 def _as_state(node: Any) -> nnx.State:
@@ -376,6 +437,10 @@ def export(
     >>> y.shape, state['kernel'].shape
     ((1, 3), (2, 3))
     """
+    if not callable(fun):
+        raise TypeError(
+            _errors.not_callable("export", fun, "*args", "jax.export.export", decorator=False)
+        )
     bound: tuple[Any, ...] = ()
     if isinstance(fun, JitWrapped):
         spec = dataclasses.replace(
@@ -386,9 +451,15 @@ def export(
         spec = CallSpec("export")
     with nnx.update_context(TAG):
         plan, leaves, sites, _ = split_call(spec, (*bound, *args), kwargs)
+        if wrong := [
+            (str(site), type(x).__name__)
+            for x, site in zip(leaves, sites, strict=True)
+            if not _is_array(x)
+        ]:
+            raise TypeError(_errors.export_not_arrays("export", wrong))
         shardings = [
-            _resolve(s if s is not None else getattr(x, "sharding", None))
-            for x, s in zip(leaves, plan.shardings, strict=True)
+            _resolve(s if s is not None else getattr(x, "sharding", None), site)
+            for x, s, site in zip(leaves, plan.shardings, sites, strict=True)
         ]
         avals = [
             jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if hasattr(x, "shape") else x

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence, Set
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, ParamSpec, TypeAlias, TypeVar, cast, overload
 
 import jax
+from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import keystr
 
@@ -35,22 +36,34 @@ from ._graph import (
     merge_inputs,
     snapshots,
     split_inner,
+    unflatten_all,
     value_of,
 )
-from ._sharding import ShardingLike, StateSharding, is_node, is_prefix_leaf
+from ._sharding import (
+    ShardingLike,
+    StateSharding,
+    accept_flax,
+    format_path,
+    is_node,
+    is_prefix_leaf,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
-Specs = Any
+Specs: TypeAlias = Any
 """A pytree prefix of PartitionSpecs, `StateSharding`s and Nones (None: replicated)."""
-AxisName = str
+AxisName: TypeAlias = str
+Path: TypeAlias = tuple[Any, ...]
 
 
 def _spec(entry: ShardingLike) -> PartitionSpec:
     """One prefix entry as jax wants it: None replicates, a NamedSharding gives its spec."""
     if entry is None:
         return PartitionSpec()
-    return entry.spec if isinstance(entry, NamedSharding) else entry
+    if isinstance(entry, NamedSharding):
+        return entry.spec
+    # a PartitionSpec; any other Sharding goes to jax.shard_map as given, which rejects it
+    return cast(PartitionSpec, entry)
 
 
 def _jax_prefix(specs: Specs) -> Any:
@@ -62,6 +75,82 @@ def _jax_prefix(specs: Specs) -> Any:
         return _spec(entry)
 
     return jax.tree.map(convert, specs, is_leaf=is_prefix_leaf)
+
+
+def _graph_objects(plan: CallPlan, call_leaves: Sequence[Any]) -> dict[tuple[str, Path], Any]:
+    """``(argument, path) -> object`` below each input graph node, shared objects under
+    each of their paths: what a structure change is measured against (at trace time)."""
+    found: dict[tuple[str, Path], Any] = {}
+    for where, leaf in zip(plan.wheres, call_leaves, strict=True):
+        if not is_node(leaf):
+            continue
+        objects = {
+            tuple(path): obj
+            for path, obj in nnx.iter_graph(leaf)
+            if path and not str(path[-1]).startswith("_pytree__")
+        }
+        for first, *others in nnx.find_duplicates(leaf):
+            if tuple(first) in objects:
+                objects.update((tuple(other), objects[tuple(first)]) for other in others)
+        found.update(((where, path), obj) for path, obj in objects.items())
+    return found
+
+
+def _kind(obj: Any) -> str:
+    return "graph" if isinstance(obj, nnx.Variable) or is_node(obj) else "static"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if _kind(a) == "graph" or _kind(b) == "graph":
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an array, say: not the same object, so changed
+        return False
+
+
+def _graph_changes(
+    before: dict[tuple[str, Path], Any], after: dict[tuple[str, Path], Any]
+) -> dict[str, list[str]]:
+    """Per argument, what the function added, removed or replaced in its graph: only
+    the topmost change of each subtree, and of plain (static) values only those under a
+    public name (not flax's bookkeeping such as ``_length``)."""
+    found: list[tuple[str, tuple[str, Path], Any]] = []
+    for key, obj in after.items():
+        if key not in before:
+            found.append(("added", key, obj))
+        elif not _same(before[key], obj):
+            found.append(("replaced" if _kind(before[key]) == "graph" else "changed", key, obj))
+    found += [("removed", key, obj) for key, obj in before.items() if key not in after]
+    keys = {key for _, key, _ in found}
+    changes: dict[str, list[str]] = {}
+    for kind, (where, path), obj in found:
+        if any((where, path[:n]) in keys for n in range(1, len(path))):
+            continue  # below a change already listed
+        old = before.get((where, path), obj)
+        if _kind(old) == _kind(obj) == "static" and str(path[-1]).startswith("_"):
+            continue
+        type_name = type(old).__name__ if kind != "changed" else ""
+        changes.setdefault(where, []).append(
+            _errors.graph_change(kind, where + format_path(path), type_name)
+        )
+    return changes
+
+
+def _in_sites(plan: CallPlan, leaves: Sequence[Leaf]) -> list[str]:
+    """The caller's name of each flat input leaf (``args[0].linear.kernel``); for errors."""
+    with nnx.merge_context() as ctx:
+        nodes = unflatten_all(ctx, plan.graphdefs, leaves, plan.sizes)
+    sites: list[str] = []
+    with nnx.split_context() as ctx:
+        for node, graphdef, where in zip(nodes, plan.graphdefs, plan.wheres, strict=True):
+            if graphdef is None:
+                sites.append(where)
+            else:
+                sites += [where + format_path(p) for p in ctx.flatten(node)[1].paths]
+    return sites
 
 
 def _manual_part(entry: Any, manual: Set[AxisName]) -> Any:
@@ -88,6 +177,9 @@ class ShardMapFn(CachedCall[P, R]):
         check_vma: bool = True,
         auto: Set[AxisName] = frozenset(),
     ):
+        if not callable(fun):
+            raise TypeError(_errors.not_callable("shard_map", fun, "out_specs=P()"))
+        in_specs, out_specs = accept_flax(in_specs), accept_flax(out_specs)
         spec = CallSpec(
             "shard_map",
             in_shardings=in_specs,
@@ -97,15 +189,30 @@ class ShardMapFn(CachedCall[P, R]):
         )
         super().__init__(fun, spec)
         self.mesh = mesh
-        self.axis_names = frozenset(axis_names)
+        self.axis_names: frozenset[AxisName] = frozenset(axis_names)
         self.check_vma = check_vma
         self._auto = frozenset(auto)
         self._infer = in_specs is None
-        self._out_prefix = _jax_prefix(out_specs)
         keyed = jax.tree_util.tree_flatten_with_path(out_specs, is_leaf=is_prefix_leaf)[0]
         self._state_sharding_sites = [
             f"output{keystr(kp)}" for kp, x in keyed if isinstance(x, StateSharding)
         ]
+        # Each spec of out_specs: (its key path in the prefix jax gets, its name here).
+        self._out_spec_sites: list[tuple[str, str, Any]] = []
+        for kp, entry in keyed:
+            where = f"output{keystr(kp)}"
+            if isinstance(entry, StateSharding):
+                self._out_spec_sites += [
+                    (f"{keystr(kp)}[{k}]", f"{where} (filter {f!r} of its StateSharding)", s)
+                    for k, (f, s) in enumerate(zip(entry.filters, entry.shardings, strict=True))
+                ]
+            elif is_prefix_leaf(entry) and not is_node(entry):
+                self._out_spec_sites.append((keystr(kp), where, entry))
+            else:
+                raise TypeError(
+                    _errors.bad_prefix_entry("shard_map", "out_specs", where, type(entry).__name__)
+                )
+        self._out_prefix = _jax_prefix(out_specs)
 
     def _mesh(self) -> Mesh | AbstractMesh:
         if self.mesh is not None:
@@ -123,6 +230,30 @@ class ShardMapFn(CachedCall[P, R]):
         if self._auto:
             return frozenset(mesh.axis_names) - self._auto
         return self.axis_names or frozenset(mesh.axis_names)
+
+    def _check_out_specs(self, mesh: Mesh | AbstractMesh) -> None:
+        """Every axis out_specs names is a manual axis of ``mesh`` (jax's own check
+        names the specs by the package's internal layout)."""
+        manual = self._manual_axes(mesh)
+        problems = []
+        for _, where, entry in self._out_spec_sites:
+            spec = _spec(entry)
+            for part in spec:
+                for axis in part if isinstance(part, tuple) else (part,):
+                    if isinstance(axis, str) and axis not in manual:
+                        problems.append(
+                            _errors.unknown_axis(where, spec, axis, axis in mesh.axis_names)
+                        )
+        if problems:
+            raise ValueError(
+                _errors.spec_axes_not_manual(
+                    "shard_map",
+                    "out_specs",
+                    problems,
+                    mesh.axis_names,
+                    [a for a in mesh.axis_names if a in manual],
+                )
+            )
 
     def _in_specs(
         self, plan: CallPlan, leaves: Sequence[Leaf], mesh: Mesh | AbstractMesh
@@ -145,6 +276,7 @@ class ShardMapFn(CachedCall[P, R]):
                 raise NeedsTrace
             leaves = plan.join(donated, kept)
             mesh = self._mesh()
+            self._check_out_specs(mesh)
             in_specs = self._in_specs(plan, leaves, mesh)
             if not self._infer and AxisType.Explicit in mesh.axis_types:
                 # on Explicit axes jax.shard_map takes arguments already laid out by spec
@@ -157,6 +289,7 @@ class ShardMapFn(CachedCall[P, R]):
             def body(leaves: list[Leaf]) -> tuple[list[Leaf], Any]:
                 args, kwargs, call_leaves = merge_inputs(plan, leaves)
                 before = snapshots(call_leaves)
+                objects = _graph_objects(plan, call_leaves)
                 split = split_inner(plan, call_leaves, before, self.fun(*args, **kwargs))
                 if not split.kept_structure:
                     wheres = changed_structure(plan, before)
@@ -167,6 +300,7 @@ class ShardMapFn(CachedCall[P, R]):
                             wheres,
                             "inside shard_map each device holds its own shard of a module",
                             "shard_map, before or after the call",
+                            _graph_changes(objects, _graph_objects(plan, call_leaves)),
                         )
                     )
                 grouped, order = self._group(split)
@@ -178,6 +312,8 @@ class ShardMapFn(CachedCall[P, R]):
                 found.append((split.out_plan(changed), order))
                 return [value_of(x) for x in split.in_items], grouped
 
+            body.__name__ = getattr(self.fun, "__name__", "fun")
+            body.__qualname__ = getattr(self.fun, "__qualname__", body.__name__)
             mapped = jax.shard_map(
                 body,
                 mesh=mesh,
@@ -186,7 +322,16 @@ class ShardMapFn(CachedCall[P, R]):
                 axis_names=self._manual_axes(mesh),
                 check_vma=self.check_vma,
             )
-            in_full, grouped = mapped(list(leaves))
+            try:
+                in_full, grouped = mapped(list(leaves))
+            except (ValueError, TypeError) as e:
+                if "out_specs[" not in str(e):  # jax names a spec by our layout: rename it
+                    raise
+                out_sites = {key: where for key, where, _ in self._out_spec_sites}
+                message = _errors.name_spec_paths(str(e), _in_sites(plan, leaves), out_sites)
+                if message == str(e):
+                    raise
+                raise type(e)(message).with_traceback(e.__traceback__) from None
             out_plan, order = found[-1]
             out_flat: list[Leaf] = [None] * len(order)
             for j, value in zip(order, jax.tree.leaves(grouped), strict=True):
@@ -194,6 +339,7 @@ class ShardMapFn(CachedCall[P, R]):
             return out_plan, [in_full[i] for i in out_plan.in_changed], out_flat
 
         outer.__name__ = getattr(self.fun, "__name__", "fun")
+        outer.__qualname__ = getattr(self.fun, "__qualname__", outer.__name__)
         return jax.jit(outer, donate_argnums=0 if any(plan.donate) else ())
 
     def _group(self, split: InnerSplit) -> tuple[Any, list[int]]:
@@ -216,6 +362,7 @@ class ShardMapFn(CachedCall[P, R]):
             if per_leaf[k] is None:
                 per_leaf[k] = j
             else:
+                assert path is not None  # a leaf of a graph node
                 group = (
                     entry.index_for(
                         path,
@@ -281,7 +428,8 @@ def shard_map(
     Args:
       f: the function; omit it to use ``shard_map(...)`` as a decorator factory.
       out_specs: pytree prefix of the output; at a graph node a `StateSharding` of
-        PartitionSpecs, or one PartitionSpec for all its Variables. None replicates.
+        PartitionSpecs (flax's ``nnx.StateSharding`` is converted into one), or one
+        PartitionSpec for all its Variables. None replicates.
       in_specs: the same for the positional arguments (keyword arguments are
         replicated). None (the default) reads each argument's spec off its type,
         which needs every manual mesh axis to be ``AxisType.Explicit``.

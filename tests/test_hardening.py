@@ -2,14 +2,15 @@
 
 One section per item of issue 8:
 
-1. Bad input: `MISUSES` is a table of (trigger, exception type, regexes the message must
-   contain: the argument, the Variable path where there is one, what was expected).
-   shard_map and export came after this file: their rows go into `SHARD_MAP_MISUSES` and
-   `EXPORT_MISUSES` (empty for now); `REQUIRED` names the cases the issue asks for, and
-   `test_misuse_table_covers_issue_8*` checks them (skipped for a transform with no rows).
-2. Nothing lost: a call that raises (while tracing, at run time, or a `Compiled` called
-   wrongly) leaves the caller's graphs exactly as they were. `TRANSFORMS` lists the
-   transforms these tests run over; add shard_map there.
+1. Bad input: `MISUSES` (jit, StateSharding, the stage objects), `SHARD_MAP_MISUSES` and
+   `EXPORT_MISUSES` are tables of (trigger, exception type, regexes the message must
+   contain: the argument, the Variable path where there is one, what was expected);
+   `REQUIRED` names the cases the issue asks for, and `test_misuse_table_covers_issue_8*`
+   checks that they are there.
+2. Nothing lost: a call that raises (while tracing, after the function returned, at run
+   time, while staging, or a `Compiled` called wrongly or failing at run time) leaves the
+   caller's graphs exactly as they were. `TRANSFORMS` lists the transforms these tests run
+   over: `jit` and `shard_map` (replicating everything over `MESH`).
 3. Threads: one `JitWrapped`, 8 threads with modules of their own, 1000 calls.
 4. No leaks: 10,000 calls keep the caches and RSS flat; wrappers and modules are collected.
 5. Property-based: random module graphs through an identity and a mutating `jit`.
@@ -20,6 +21,7 @@ A bug these tests found is kept as a strict xfail whose reason is the diagnosis.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import os
@@ -654,17 +656,372 @@ MISUSES = [
 ]
 
 
-SHARD_MAP_MISUSES: list = [
-    # nnx_sharding.shard_map came after this file. Its rows go here, built with `case`, at
-    # least the ids in REQUIRED["shard_map"] below: no mesh in the call, in context or in
-    # the arguments; a structure change inside (an attribute added, a Variable swapped);
-    # in_specs that is not a prefix of the arguments; out_specs likewise; a spec naming an
-    # unknown axis; a Variable no filter of an in_specs StateSharding matches.
+def shard_map_call(fun, *args, mesh=MESH, **options):
+    """``nnx_sharding.shard_map(fun, mesh=mesh, **options)(*args)``; in_specs and
+    out_specs replicate everything unless given."""
+    options = {"in_specs": P(), "out_specs": P(), **options}
+    return nnx_sharding.shard_map(fun, mesh=mesh, **options)(*args)
+
+
+def _grow(model, x):
+    model.extra = nnx.Param(jnp.ones(()))
+    return x
+
+
+def _swap_kernel(model, x):
+    model.linear.kernel = nnx.Param(model.linear.kernel[...])
+    return x
+
+
+def _drop_batch_norm(model, x):
+    del model.bn
+    return x
+
+
+def _varying_bias(model, x):
+    """Writes a value that differs between the 'data' shards into a replicated Variable."""
+    model.linear.bias[...] = jnp.tile(x.sum(0), 2)
+    return x
+
+
+def _twice(model, x):
+    return x, x
+
+
+SHARD_MAP_MISUSES = [
+    # -- mesh and structure -------------------------------------------------------------
+    case(
+        "shard_map_without_a_mesh",
+        lambda: shard_map_call(forward, MLP(), X, mesh=None),
+        ValueError,
+        [r"shard_map: mesh: no mesh was given", r"mesh=jax\.make_mesh", r"jax\.set_mesh"],
+    ),
+    case(
+        "shard_map_structure_change_inside",
+        lambda: shard_map_call(_grow, MLP(), X),
+        ValueError,
+        [
+            r"shard_map: arguments: the function changed the graph structure of args\[0\]",
+            r"added a Param at args\[0\]\.extra",
+            r"may update Variable values but not add, remove or replace",
+        ],
+    ),
+    case(
+        "shard_map_variable_swapped_inside",
+        lambda: shard_map_call(_swap_kernel, MLP(), X),
+        ValueError,
+        [
+            r"shard_map: arguments: .*structure of args\[0\]",
+            r"replaced the Param at args\[0\]\.linear\.kernel",
+            r"may update Variable values but not add, remove or replace",
+        ],
+    ),
+    case(
+        "shard_map_submodule_removed_inside",
+        lambda: shard_map_call(_drop_batch_norm, MLP(), X),
+        ValueError,
+        [r"shard_map: arguments", r"removed the BatchNorm at args\[0\]\.bn\b", r"may update"],
+    ),
+    # -- in_specs and out_specs that are no prefix ---------------------------------------
+    case(
+        "shard_map_in_specs_not_a_prefix",
+        lambda: shard_map_call(forward, MLP(), X, in_specs=(P(), P(), P())),
+        ValueError,
+        [
+            r"shard_map: in_specs: is not a pytree prefix of the arguments",
+            r"at args it has a tuple of 3 entries where the arguments have a tuple of 2",
+            r"one entry per positional argument",
+        ],
+    ),
+    case(
+        "shard_map_in_specs_deeper_than_an_argument",
+        lambda: shard_map_call(forward, MLP(), X, in_specs=(P(), (P(), P()))),
+        ValueError,
+        [r"shard_map: in_specs: is not a pytree prefix", r"at args\[1\]", r"shape \(8, 4\)"],
+    ),
+    case(
+        "shard_map_out_specs_not_a_prefix",
+        lambda: shard_map_call(forward, MLP(), X, out_specs=(P(), P())),
+        ValueError,
+        [
+            r"shard_map: out_specs: is not a pytree prefix of the output",
+            r"at output it has a tuple of 2 entries where the output has an array",
+            r"one entry per element of the output",
+        ],
+    ),
+    case(
+        "shard_map_graph_node_in_in_specs",
+        lambda: shard_map_call(forward, MLP(), X, in_specs=(MLP(), P())),
+        ValueError,
+        [r"shard_map: in_specs", r"graph node of type MLP at args\[0\]", r"StateSharding\("],
+    ),
+    case(
+        "shard_map_string_in_in_specs",
+        lambda: shard_map_call(forward, MLP(), X, in_specs=("model", P())),
+        TypeError,
+        [r"shard_map: in_specs", r"found a str at args\[0\]", r"PartitionSpec"],
+    ),
+    case(
+        "shard_map_string_in_out_specs",
+        lambda: nnx_sharding.shard_map(_twice, mesh=MESH, in_specs=P(), out_specs=(P(), "x")),
+        TypeError,
+        [r"shard_map: out_specs", r"found a str at output\[1\]", r"PartitionSpec"],
+    ),
+    case(
+        "shard_map_state_sharding_at_an_array",
+        lambda: shard_map_call(forward, MLP(), X, in_specs=(P(), StateSharding({...: P()}))),
+        ValueError,
+        [
+            r"shard_map: in_specs",
+            r"StateSharding stands at args\[1\], where the argument is an ArrayImpl",
+            r"position of a graph node",
+        ],
+    ),
+    case(
+        "shard_map_state_sharding_above_several_nodes",
+        lambda: shard_map_call(lambda m: (m, m.linear), MLP(), out_specs=StateSharding({...: P()})),
+        ValueError,
+        [
+            r"shard_map: out_specs",
+            r"StateSharding stands at output, which is not a single graph node",
+            r"exactly one graph node",
+        ],
+    ),
+    # -- specs that do not fit ----------------------------------------------------------
+    case(
+        "shard_map_unknown_mesh_axis",
+        lambda: shard_map_call(forward, MLP(), X, in_specs=(kernel_spec(P(None, "nope")), P())),
+        ValueError,
+        [r"shard_map: in_specs", r"args\[0\]\.linear\.kernel", r"'nope'", r"not found in mesh"],
+    ),
+    case(
+        "shard_map_unknown_mesh_axis_in_out_specs",
+        lambda: shard_map_call(_twice, MLP(), X, out_specs=(P(), P("nope"))),
+        ValueError,
+        [
+            r"shard_map: out_specs: output\[1\]",
+            r"names 'nope', which is not an axis of the mesh",
+            r"the mesh has 'data', 'model'",
+        ],
+    ),
+    case(
+        "shard_map_axis_not_manual_in_out_specs",
+        lambda: shard_map_call(
+            _twice, MLP(), X, axis_names={"data"}, out_specs=(P("data"), P("model"))
+        ),
+        ValueError,
+        [
+            r"shard_map: out_specs: output\[1\]",
+            r"names 'model', which is not a manual axis",
+            r"the manual ones are 'data'\.",
+        ],
+    ),
+    case(
+        "shard_map_unmatched_variable_in_specs",
+        lambda: shard_map_call(
+            forward, MLP(), X, in_specs=(StateSharding({nnx.BatchStat: P()}), P())
+        ),
+        ValueError,
+        [
+            r"shard_map: in_specs",
+            r"args\[0\]\.bn\.bias \(type Param\) matches none of the filters",
+            r"catch-all",
+        ],
+    ),
+    case(
+        "shard_map_unmatched_variable_out_specs",
+        lambda: shard_map_call(
+            lambda m: MLP(), MLP(), out_specs=StateSharding({nnx.BatchStat: P()})
+        ),
+        ValueError,
+        [
+            r"shard_map: out_specs",
+            r"output\.bn\.bias \(type Param\) matches none of the filters",
+            r"catch-all",
+        ],
+    ),
+    case(
+        "shard_map_indivisible_variable_dimension",
+        lambda: shard_map_call(
+            forward,
+            nnx.Linear(3, 8, rngs=nnx.Rngs(0)),
+            jnp.ones((2, 3)),
+            in_specs=(kernel_spec(P("model", None)), P()),
+        ),
+        ValueError,
+        [r"shard_map: in_specs", r"args\[0\]\.kernel", r"\(3, 8\)", r"partitioned 4 times"],
+    ),
+    case(
+        "shard_map_indivisible_array_dimension",
+        lambda: shard_map_call(forward, MLP(), jnp.ones((6, 4)), in_specs=(P(), P("model"))),
+        ValueError,
+        [r"shard_map: in_specs", r"args\[1\]", r"\(6, 4\)", r"partitioned 4 times"],
+    ),
+    case(
+        "shard_map_spec_rank_above_variable_rank",
+        lambda: shard_map_call(
+            forward, MLP(), X, in_specs=(kernel_spec(P(None, None, "model")), P())
+        ),
+        ValueError,
+        [r"shard_map: in_specs", r"args\[0\]\.linear\.kernel", r"rank at least 3", r"rank 2"],
+    ),
+    case(
+        "shard_map_spec_rank_above_output_rank",
+        lambda: shard_map_call(forward, MLP(), X, out_specs=P(None, None, "model")),
+        ValueError,
+        [r"the out_specs entry at output is P\(None, None, 'model'\)", r"length 3", r"rank 2"],
+    ),
+    case(
+        "shard_map_in_specs_inferred_on_auto_axes",
+        lambda: shard_map_call(forward, MLP(), X, in_specs=None),
+        TypeError,
+        [
+            r"shard_map: in_specs: 2 problems:\n  - in_specs is None, but mesh axis 'data' "
+            r"is not Explicit",
+            r"AxisType\.Explicit",
+        ],
+    ),
+    # -- values that vary where the spec says replicated --------------------------------
+    case(
+        "shard_map_varying_update_of_a_replicated_variable",
+        lambda: shard_map_call(
+            _varying_bias, MLP(), X, in_specs=(P(), P("data")), out_specs=P("data")
+        ),
+        ValueError,
+        [
+            r"the in_specs entry of args\[0\]\.linear\.bias",
+            r"is P\(\) which implies .* possibly varying over \{data\}",
+            r"check_vma",
+        ],
+    ),
+    case(
+        "shard_map_varying_output_under_a_replicated_spec",
+        lambda: shard_map_call(
+            _twice, MLP(), X, in_specs=(P(), P("data")), out_specs=(P("data"), P())
+        ),
+        ValueError,
+        [r"the out_specs entry at output\[1\] is P\(\)", r"possibly varying over \{data\}"],
+    ),
+    case(
+        "shard_map_of_a_non_callable",
+        lambda: nnx_sharding.shard_map(3, out_specs=P()),
+        TypeError,
+        [r"shard_map: fun: expected a callable, got 3", r"shard_map\(forward, out_specs=P\(\)\)"],
+    ),
 ]
-EXPORT_MISUSES: list = [
-    # export came after this file. Its rows go here: e.g. exporting with a module whose
-    # Variables hold non-arrays, calling the exported function with another graph
-    # structure (naming args[i].path), deserialising for another structure.
+
+
+@functools.cache
+def _exported() -> nnx_sharding.Exported:
+    return nnx_sharding.export(forward, MLP(), X)
+
+
+def _with_wider_linear():
+    model = MLP()
+    model.linear.kernel.set_value(jnp.zeros((4, 5)))
+    return model
+
+
+def _state_without_bn_scale():
+    state = nnx.state(MLP())
+    del state["bn"]["scale"]
+    return state
+
+
+def _grow_and_run(model, x):
+    model.extra = nnx.Param(jnp.zeros(2))
+    return model(x)
+
+
+EXPORT_MISUSES = [
+    # -- export -------------------------------------------------------------------------
+    case(
+        "export_variable_holding_a_non_array",
+        lambda: nnx_sharding.export(forward, _with_string_variable(), XX),
+        TypeError,
+        [r"export: arguments: args\[0\]\.label: a str is not an array", r"takes arrays"],
+    ),
+    case(
+        "export_argument_not_an_array",
+        lambda: nnx_sharding.export(_scaled, Counter(), "two", XX),
+        TypeError,
+        [r"export: arguments: args\[1\]: a str is not an array", r"static_argnums"],
+    ),
+    case(
+        "export_structure_change_inside",
+        lambda: nnx_sharding.export(_grow_and_run, Counter(), XX),
+        ValueError,
+        [
+            r"export: fun: the function changed the graph structure of args\[0\]",
+            r"added a Variable at args\[0\]\.extra",
+            r"may update Variable values but not add",
+        ],
+    ),
+    case(
+        "export_spec_without_a_mesh",
+        lambda: nnx_sharding.export(
+            nnx_sharding.jit(forward, in_shardings=(kernel_spec(P(None, "model")), None)), MLP(), X
+        ),
+        ValueError,
+        [
+            r"export: in_shardings",
+            r"P\(None, 'model'\) for args\[0\]\.linear\.kernel needs a mesh",
+            r"jax\.set_mesh",
+        ],
+    ),
+    case(
+        "export_of_a_non_callable",
+        lambda: nnx_sharding.export(3, X),
+        TypeError,
+        [r"export: fun: expected a callable, got 3", r"export\(forward, \*args\)"],
+    ),
+    # -- Exported.call ------------------------------------------------------------------
+    case(
+        "exported_called_with_another_module",
+        lambda: _exported()(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), X),
+        TypeError,
+        [
+            r"Exported\.call: arguments: 6 problems",
+            r"args\[0\]\.linear\.kernel: missing",
+            r"shape and dtype it was exported for",
+        ],
+    ),
+    case(
+        "exported_variable_of_another_shape",
+        lambda: _exported()(_with_wider_linear(), X),
+        TypeError,
+        [r"args\[0\]\.linear\.kernel: got float32\[4, 5\], exported for float32\[4, 8\]"],
+    ),
+    case(
+        "exported_array_where_a_module_was",
+        lambda: _exported()(X, X),
+        TypeError,
+        [r"Exported\.call: arguments", r"args\[0\]: expected a graph node or nnx\.State"],
+    ),
+    case(
+        "exported_module_where_an_array_was",
+        lambda: _exported()(MLP(), MLP()),
+        TypeError,
+        [r"Exported\.call: arguments", r"args\[1\]: expected an array, got a MLP"],
+    ),
+    case(
+        "exported_missing_argument",
+        lambda: _exported()(MLP()),
+        TypeError,
+        [r"Exported\.call: arguments", r"args\[1\] is missing", r"the program takes"],
+    ),
+    case(
+        "exported_keyword_for_positional",
+        lambda: _exported()(MLP(), x=X),
+        TypeError,
+        [r"args\[1\] is missing", r"kwargs\['x'\] is not among the arguments it was exported"],
+    ),
+    case(
+        "deserialized_called_with_another_structure",
+        lambda: nnx_sharding.deserialize(_exported().serialize())(_state_without_bn_scale(), X),
+        TypeError,
+        [r"Exported\.call: arguments: args\[0\]\.bn\.scale: missing", r"exported for"],
+    ),
 ]
 ALL_MISUSES = MISUSES + SHARD_MAP_MISUSES + EXPORT_MISUSES
 
@@ -685,6 +1042,16 @@ REQUIRED = {  # issue 8, item 1: "at least" these cases, by id
         "shard_map_without_a_mesh",
         "shard_map_structure_change_inside",
         "shard_map_in_specs_not_a_prefix",
+        "shard_map_out_specs_not_a_prefix",
+        "shard_map_unknown_mesh_axis",
+        "shard_map_unmatched_variable_in_specs",
+        "shard_map_indivisible_variable_dimension",
+        "shard_map_variable_swapped_inside",
+    ],
+    "export": [
+        "export_variable_holding_a_non_array",
+        "exported_called_with_another_module",
+        "deserialized_called_with_another_structure",
     ],
 }
 
@@ -710,14 +1077,15 @@ def test_misuse_table_covers_issue_8():
 
 
 @pytest.mark.parametrize("transform", ["shard_map", "export"])
-def test_misuse_table_covers_issue_8_for_transforms_to_come(transform):
-    """A reminder that turns into a check: skipped while the transform is missing or
-    has no rows; once the rows exist, the cases the issue names must be among them."""
+def test_misuse_table_covers_issue_8_for_shard_map_and_export(transform):
+    """The cases the issue names for shard_map (and those of export) are in their table."""
     rows = {"shard_map": SHARD_MAP_MISUSES, "export": EXPORT_MISUSES}[transform]
-    if not hasattr(nnx_sharding, transform) or not rows:
-        pytest.skip(f"add the {transform} rows to {transform.upper()}_MISUSES (issue 8, item 1)")
-    missing = [i for i in REQUIRED.get(transform, []) if i not in MISUSE_IDS]
+    ids = [p.id for p in rows]
+    assert len(ids) >= max(3, len(REQUIRED[transform]))
+    missing = [i for i in REQUIRED[transform] if i not in ids]
     assert not missing, f"issue 8 asks for these misuse cases: {missing}"
+    if transform == "shard_map":
+        assert all(i.startswith("shard_map_") for i in ids)
 
 
 def test_package_errors_follow_the_message_layout():
@@ -734,10 +1102,34 @@ def test_package_errors_follow_the_message_layout():
 # 2. Nothing lost: a call that raises leaves the caller's graphs as they were
 # ======================================================================================
 
-TRANSFORMS = [
-    # factories ``(fun, **options) -> callable``; add shard_map (with a mesh and specs
-    # that replicate everything) once it exists
+
+def replicated_shard_map(fun, *, static_argnames=(), **options):
+    """`nnx_sharding.shard_map` over ``MESH``, every argument and output replicated.
+
+    ``jax.shard_map`` (and so `shard_map`) takes no static arguments: the keyword
+    arguments named in ``static_argnames`` are bound with ``functools.partial``, one
+    `ShardMapFn` per value, each kept for the calls that follow.
+    """
+    options = {"mesh": MESH, "in_specs": P(), "out_specs": P(), **options}
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    if not names:
+        return nnx_sharding.shard_map(fun, **options)
+    mapped: dict[tuple, nnx_sharding.ShardMapFn] = {}
+
+    def call(*args, **kwargs):
+        static = tuple((k, kwargs.pop(k)) for k in names if k in kwargs)
+        if static not in mapped:
+            mapped[static] = nnx_sharding.shard_map(
+                functools.partial(fun, **dict(static)), **options
+            )
+        return mapped[static](*args, **kwargs)
+
+    return call
+
+
+TRANSFORMS = [  # factories ``(fun, **options) -> callable``
     pytest.param(nnx_sharding.jit, id="jit"),
+    pytest.param(replicated_shard_map, id="shard_map"),
 ]
 
 
@@ -784,23 +1176,48 @@ def test_trace_time_error_leaves_graphs_unchanged(transform, warm_calls, trigger
     assert_same_values(other, ref_other)
 
 
+AFTER_RETURN = {  # per transform: (options, the message of the error it raises)
+    nnx_sharding.jit: [
+        (
+            dict(
+                in_shardings=StateSharding({nnx.Param: named("model"), ...: None}),
+                out_shardings=StateSharding({nnx.Param: named(), ...: None}),
+            ),
+            r"jit: in_shardings/out_shardings: ",  # an in/out sharding conflict
+        ),
+        (dict(out_shardings=(None, None)), r"jit: out_shardings: is not a pytree prefix"),
+    ],
+    replicated_shard_map: [
+        (
+            {},  # the structure change itself, each of wreck's changes named
+            re.escape(
+                "shard_map: arguments: the function changed the graph structure of args[0] "
+                "(added a Linear at args[0].blocks[2]; added a Param at args[0].extra; changed "
+                "the attribute args[0].name; replaced the Linear at args[0].shared by another "
+                "object; removed the BatchStat at args[0].table.steps)\n"
+            ),
+        ),
+        (dict(out_specs=(P(), P())), r"shard_map: out_specs: is not a pytree prefix"),
+    ],
+}
+
+
 @pytest.mark.parametrize("transform", TRANSFORMS)
-def test_error_raised_after_the_function_returned_leaves_graphs_unchanged(transform):
-    """The package's own error, raised while splitting the outputs (an in/out sharding
-    conflict), comes after the function changed everything."""
+@pytest.mark.parametrize("error", [0, 1], ids=["own_rule", "out_not_a_prefix"])
+def test_error_raised_after_the_function_returned_leaves_graphs_unchanged(transform, error):
+    """The package's own error, raised while splitting the outputs (jit: an in/out
+    sharding conflict; shard_map: the structure change itself; both: an output prefix
+    that does not fit), comes after the function changed everything."""
 
     def step(model):
         wreck(model)
         return model
 
+    options, pattern = AFTER_RETURN[transform][error]
     model = Tower()
-    f = transform(
-        step,
-        in_shardings=StateSharding({nnx.Param: named("model"), ...: None}),
-        out_shardings=StateSharding({nnx.Param: named(), ...: None}),
-    )
+    f = transform(step, **options)
     before = record(model)
-    with pytest.raises(ValueError, match="in_shardings/out_shardings"):
+    with pytest.raises(ValueError, match=pattern):
         f(model)
     assert_unchanged(before, model)
 
@@ -812,7 +1229,37 @@ def _runtime_step(model, x):
     return y
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
+def sharded_jit(fun, **options):
+    """`jit` of a program on all 8 devices of ``MESH`` (every argument replicated)."""
+    return nnx_sharding.jit(fun, in_shardings=named(), **options)
+
+
+RUN_TIME_TRANSFORMS = [
+    pytest.param(nnx_sharding.jit, id="jit"),
+    # Programs on several devices run asynchronously: the call waits for them only
+    # because they have a host callback (`_cache.PlanState.wait`).
+    pytest.param(sharded_jit, id="jit_on_8_devices"),
+    pytest.param(replicated_shard_map, id="shard_map"),
+]
+
+
+def _no_op_callback(x):
+    jax.debug.callback(lambda: None)
+    return x
+
+
+@pytest.fixture
+def settle_run_time_errors():
+    """After the test, clears a run-time error jax still holds: a failed program's runtime
+    token stays, and every later ``jax.effects_barrier()`` (another test's, or jax's at
+    exit) raises it again, until an effectful program runs on those devices."""
+    yield
+    jax.jit(jax.shard_map(_no_op_callback, mesh=MESH, in_specs=P(), out_specs=P()))(XX)
+    jax.effects_barrier()
+
+
+@pytest.mark.usefixtures("settle_run_time_errors")
+@pytest.mark.parametrize("transform", RUN_TIME_TRANSFORMS)
 @pytest.mark.parametrize("warm_calls", [0, 2], ids=["first_call", "after_fast_calls"])
 def test_run_time_error_leaves_graphs_unchanged(transform, warm_calls):
     model = Tower()
@@ -830,6 +1277,7 @@ def test_run_time_error_leaves_graphs_unchanged(transform, warm_calls):
     assert_same_values(model, ref)
 
 
+@pytest.mark.usefixtures("settle_run_time_errors")
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("warm_calls", [0, 2], ids=["first_call", "after_fast_calls"])
 def test_run_time_error_with_donation_loses_the_donated_values(transform, warm_calls):
@@ -840,6 +1288,12 @@ def test_run_time_error_with_donation_loses_the_donated_values(transform, warm_c
     after the fact. The graph keeps its structure and objects, and the next call names
     the deleted Variables instead of failing somewhere inside jax.
     """
+    if transform is replicated_shard_map:
+        pytest.skip(
+            "shard_map has no donate_argnums/donate_argnames (nor has jax.shard_map): it "
+            "never donates, so a failed run consumes no buffer and the run-time test without "
+            "donation is the whole story"
+        )
     model = Tower()
     f = transform(_runtime_step, donate_argnums=0)
     for _ in range(warm_calls):
@@ -860,8 +1314,9 @@ def test_run_time_error_with_donation_loses_the_donated_values(transform, warm_c
         f(model, XX + 2.0)
 
 
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("method", ["trace", "lower", "eval_shape"])
-def test_error_while_staging_leaves_graphs_unchanged(method):
+def test_error_while_staging_leaves_graphs_unchanged(transform, method):
     def step(model, x):
         model(x)
         wreck(model)
@@ -870,13 +1325,14 @@ def test_error_while_staging_leaves_graphs_unchanged(method):
     model = Tower()
     before = record(model)
     with pytest.raises(Boom):
-        getattr(nnx_sharding.jit(step), method)(model, XX)
+        getattr(transform(step), method)(model, XX)
     assert_unchanged(before, model)
 
 
-def test_compiled_called_with_another_structure_leaves_graphs_unchanged():
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_compiled_called_with_another_structure_leaves_graphs_unchanged(transform):
     model, other = Tower(), Tower(seed=1)
-    compiled = nnx_sharding.jit(forward).lower(model, XX).compile()
+    compiled = transform(forward).lower(model, XX).compile()
     other.extra = nnx.Param(jnp.zeros(3))  # another structure
     before = record(model, other)
     with pytest.raises(TypeError, match="lowered for"):
@@ -886,10 +1342,12 @@ def test_compiled_called_with_another_structure_leaves_graphs_unchanged():
     assert_unchanged(before, model, other)
 
 
-def test_compiled_run_time_error_leaves_graphs_unchanged():
+@pytest.mark.usefixtures("settle_run_time_errors")
+@pytest.mark.parametrize("transform", RUN_TIME_TRANSFORMS)
+def test_compiled_run_time_error_leaves_graphs_unchanged(transform):
     model = Tower()
     ref = clone(model)
-    compiled = nnx_sharding.jit(_runtime_step).lower(model, XX).compile()
+    compiled = transform(_runtime_step).lower(model, XX).compile()
     compiled(model, XX + 2.0)
     _runtime_step(ref, XX + 2.0)
     before = record(model)

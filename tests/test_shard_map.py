@@ -80,12 +80,6 @@ def test_mesh_from_context(mesh):
     np.testing.assert_allclose(out, model(X), rtol=1e-6, atol=1e-6)
 
 
-def test_no_mesh_anywhere_is_a_clear_error():
-    forward = ns.shard_map(lambda m: m.kernel[...], in_specs=(P(),), out_specs=P())
-    with pytest.raises(ValueError, match=r"(?s)shard_map: mesh: no mesh was given .*jax\.set_mesh"):
-        forward(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
-
-
 def test_counter_and_batchnorm_statistics_reach_the_caller(mesh):
     class Net(nnx.Module):
         def __init__(self, rngs):
@@ -129,20 +123,6 @@ def test_updates_are_laid_out_by_the_variables_spec(mesh):
     assert model.l1.kernel[...].sharding.spec == P(None, "model")
 
 
-def test_structure_change_inside_is_a_clear_error_and_changes_nothing(mesh):
-    model = MLP(nnx.Rngs(0))
-    kernel = model.l1.kernel
-
-    @ns.shard_map(mesh=mesh, in_specs=(MEGATRON,), out_specs=P())
-    def grow(m):
-        m.extra = nnx.Param(jnp.ones(()))
-        return m.count[...]
-
-    with pytest.raises(ValueError, match=r"shard_map: arguments: .*graph structure of args\[0\]"):
-        grow(model)
-    assert not hasattr(model, "extra") and model.l1.kernel is kernel
-
-
 def test_shared_references_and_outputs_that_are_inputs(mesh):
     model = MLP(nnx.Rngs(0))
     model.alias = model.l1  # the same submodule under two names
@@ -170,18 +150,6 @@ def test_new_module_in_output_with_state_sharding(mesh):
     # each of the 4 'model' shards made a whole (4, 16) kernel: concatenated on 'model'
     assert new.l1.kernel.shape == (4, 64) and new.l2.kernel.shape == (64, 4)
     assert new.l1.kernel[...].sharding.spec == P(None, "model")
-
-
-def test_state_sharding_above_several_nodes_is_refused(mesh):
-    f = ns.shard_map(lambda m: (m, m.l1), mesh=mesh, in_specs=(P(),), out_specs=MEGATRON)
-    with pytest.raises(ValueError, match=r"StateSharding stands at output, which is not a single"):
-        f(MLP(nnx.Rngs(0)))
-
-
-def test_in_specs_not_a_prefix(mesh):
-    f = ns.shard_map(lambda m, x: x, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P())
-    with pytest.raises(ValueError, match=r"shard_map: in_specs: is not a pytree prefix"):
-        f(MLP(nnx.Rngs(0)), X)
 
 
 def test_fast_path_does_not_retrace(mesh):
@@ -314,13 +282,3 @@ def test_explicit_axes_reshard_to_given_in_specs():
     model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))  # not sharded yet
     f = ns.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
     np.testing.assert_allclose(f(model, X), model(X), rtol=1e-6)
-
-
-def test_infer_on_auto_axes_is_a_clear_error(mesh):
-    f = ns.shard_map(lambda x: x, mesh=mesh, out_specs=P())
-    with pytest.raises(
-        TypeError,
-        match=r"shard_map: in_specs: 2 problems:\n  - in_specs is None, but mesh axis 'data' "
-        r"is not Explicit",
-    ):
-        f(X)

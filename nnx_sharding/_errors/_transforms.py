@@ -1,36 +1,12 @@
-"""Every user-facing error message, built in one place.
-
-A message names the transform and the argument, says what was found and where
-(a ``jax.tree_util.keystr`` path), states the rule, then lists numbered fixes.
-"""
+"""Messages of the transforms: jit, shard_map, StateSharding and the stages."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-
-def _a(name: str) -> str:
-    """``name`` with its indefinite article: ``an int``, ``a str``."""
-    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
-
-
-def format_message(
-    transform: str,
-    argument: str,
-    problems: Sequence[str],
-    rule: str,
-    fixes: Sequence[str],
-) -> str:
-    """Assembles the standard message layout; every ``problems`` entry is listed."""
-    lines = [f"{transform}: {argument}: " + (problems[0] if len(problems) == 1 else "")]
-    if len(problems) > 1:
-        lines[0] += f"{len(problems)} problems:"
-        lines += [f"  - {p}" for p in problems]
-    lines.append(rule)
-    lines.append("Fixes:")
-    lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes, 1)]
-    return "\n".join(lines)
+from ._layout import _a, format_message
 
 
 def no_filter_matched(
@@ -138,7 +114,7 @@ def state_sharding_at_leaf(transform: str, argument: str, path: str, type_name: 
     return format_message(
         transform,
         argument,
-        [f"a StateSharding stands at {path}, where the argument is a {type_name}"],
+        [f"a StateSharding stands at {path}, where the argument is {_a(type_name)}"],
         "Rule: a StateSharding applies only at the position of a graph node (Module, "
         "Variable, Rngs, Optimizer, nnx.List/nnx.Dict).",
         [
@@ -151,7 +127,7 @@ def state_sharding_at_leaf(transform: str, argument: str, path: str, type_name: 
 def prefix_mismatch(where: str, prefix: object, tree: object, tree_name: str) -> str:
     """The detail of `not_a_prefix`: where the prefix and the tree part ways."""
 
-    def describe(x: object) -> str:
+    def describe(x: Any) -> str:
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             return f"an array of shape {tuple(x.shape)}"
         n = f" of {len(x)} entries" if isinstance(x, (tuple, list, dict)) else ""
@@ -327,17 +303,28 @@ def static_and_donated(transform: str, both: Sequence[object]) -> str:
     )
 
 
-def not_callable(transform: str, fun: object) -> str:
+def not_callable(
+    transform: str,
+    fun: object,
+    options: str = "static_argnums=1",
+    like: str = "",
+    decorator: bool = True,
+) -> str:
+    """``options``: an example of the transform's other arguments; ``like``: jax's
+    counterpart (default ``jax.<transform>``); ``decorator``: whether
+    ``transform(options)`` returns a decorator."""
+    fixes = [f"pass the function first, e.g. `{transform}(forward, {options})`;"]
+    if decorator:
+        fixes.append(
+            f"to give options first, use `{transform}({options})(forward)` or `functools.partial`."
+        )
     return format_message(
         transform,
         "fun",
         [f"expected a callable, got {fun!r} ({_a(type(fun).__name__)})"],
-        f"Rule: {transform} wraps a function (or any callable), as jax.jit does.",
-        [
-            f"pass the function, e.g. `{transform}(forward)`;",
-            f"to give options first, use `{transform}(static_argnums=1)(forward)` "
-            "or `functools.partial`.",
-        ],
+        f"Rule: {transform} wraps a function (or any callable), as {like or 'jax.' + transform} "
+        "does.",
+        fixes,
     )
 
 
@@ -362,14 +349,38 @@ def structure_mismatch(transform: str, differences: Sequence[str]) -> str:
     )
 
 
+def graph_change(kind: str, path: str, type_name: str = "") -> str:
+    """One change for `structure_changed`: ``kind`` is added, removed, replaced or changed."""
+    what = {
+        "added": f"added {_a(type_name)} at {path}" if type_name else f"added {path}",
+        "removed": f"removed the {type_name} at {path}" if type_name else f"removed {path}",
+        "replaced": f"replaced the {type_name} at {path} by another object",
+        "changed": f"changed the attribute {path}",
+    }
+    return what[kind]
+
+
 def structure_changed(
-    transform: str, argument: str, wheres: Sequence[str], why: str, where_else: str
+    transform: str,
+    argument: str,
+    wheres: Sequence[str],
+    why: str,
+    where_else: str,
+    changes: Mapping[str, Sequence[str]] | None = None,
 ) -> str:
-    """The function changed the graph structure of inputs whose structure must stay."""
+    """The function changed the graph structure of inputs whose structure must stay.
+
+    ``changes``: per argument in ``wheres``, what changed (`graph_change`), if known.
+    """
+    changes = changes or {}
     return format_message(
         transform,
         argument,
-        [f"the function changed the graph structure of {w}" for w in wheres],
+        [
+            f"the function changed the graph structure of {w}"
+            + (f" ({'; '.join(changes[w])})" if changes.get(w) else "")
+            for w in wheres
+        ],
         f"Rule: {why}, so the function may update Variable values but not add, remove or "
         "replace attributes, Variables or submodules.",
         [
@@ -420,6 +431,74 @@ def state_sharding_above(transform: str, argument: str, wheres: Sequence[str]) -
     )
 
 
+def bad_prefix_entry(transform: str, argument: str, where: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        argument,
+        [f"found {_a(type_name)} at {where}"],
+        "Rule: each entry is a Sharding, a PartitionSpec, a StateSharding or None.",
+        ["wrap mesh axis names in PartitionSpec, e.g. P('data')."],
+    )
+
+
+def spec_axes_not_manual(
+    transform: str,
+    argument: str,
+    problems: Sequence[str],
+    mesh_axes: Sequence[str],
+    manual: Sequence[str],
+) -> str:
+    """Specs that name mesh axes the mesh lacks, or that are not manual."""
+    return format_message(
+        transform,
+        argument,
+        list(problems),
+        "Rule: a spec names manual axes of the mesh; the mesh has "
+        + (", ".join(repr(a) for a in mesh_axes) or "no axes")
+        + ", and the manual ones are "
+        + (", ".join(repr(a) for a in manual) or "none")
+        + ".",
+        [
+            "correct the axis name, e.g. `P('data')`, or replicate with `P()`;",
+            "or make the axis manual: leave it out of `auto`, or add it to `axis_names`.",
+        ],
+    )
+
+
+def unknown_axis(where: str, spec: object, axis: str, manual: bool) -> str:
+    """A problem for `spec_axes_not_manual`."""
+    why = "which is not an axis of the mesh" if not manual else "which is not a manual axis"
+    return f"{where}: {spec!r} names {axis!r}, {why}"
+
+
+_SPEC_KEY = re.compile(r"\bout_specs((?:\[[^\]\[]*\])+)")
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def name_spec_paths(message: str, in_sites: Sequence[object], out_sites: Mapping[str, str]) -> str:
+    """Replaces the spec paths of ``jax.shard_map``'s messages by the caller's.
+
+    The package's shard_map gives jax ``out_specs=(in_specs, out_prefix)``: jax's
+    ``out_specs[0][i]`` is the spec of flat input leaf ``i`` (``in_sites[i]``), and
+    ``out_specs[1]...`` is ``out_sites['...']``, a place in the caller's out_specs.
+    """
+
+    def site(m: re.Match[str]) -> str:
+        keys = m.group(1)
+        if keys.startswith("[0]") and (i := _INDEX.fullmatch(keys[3:])):
+            index = int(i.group(1))
+            if index < len(in_sites):
+                return (
+                    f"the in_specs entry of {in_sites[index]} (inputs, updated or not, "
+                    "leave shard_map laid out by their in_specs)"
+                )
+        if keys.startswith("[1]") and keys[3:] in out_sites:
+            return f"the out_specs entry at {out_sites[keys[3:]]}"
+        return m.group(0)
+
+    return _SPEC_KEY.sub(site, message)
+
+
 _FLAT_KEY = re.compile(r"\b(donated|kept)\[(\d+)\]")
 
 
@@ -432,229 +511,3 @@ def name_leaves(message: str, donated: Sequence[object], kept: Sequence[object])
         return str(group[index]) if index < len(group) else m.group(0)
 
     return _FLAT_KEY.sub(site, message)
-
-
-# Metadata, tables and inspection (issue 5) -----------------------------------------------------
-
-
-def not_a_node(transform: str, argument: str, type_name: str) -> str:
-    return format_message(
-        transform,
-        argument,
-        [f"found a {type_name}"],
-        "Rule: the tree is a graph node (Module, Optimizer, nnx.List/nnx.Dict, ...) or an "
-        "nnx.State of Variables.",
-        [
-            "pass the module itself, e.g. `shard(model)`;",
-            "or its state, e.g. `nnx.state(model)`.",
-        ],
-    )
-
-
-def bad_rules(transform: str, detail: str) -> str:
-    return format_message(
-        transform,
-        "rules",
-        [detail],
-        "Rule: rules is a sequence of (logical axis name, mesh axis or None) pairs, the "
-        "form of flax's `nnx.logical_axis_rules`.",
-        [
-            "write it as a list of pairs, e.g. `[('embed', None), ('mlp', 'model')]`;",
-            "map a logical name to several mesh axes with a tuple, e.g. `('batch', ('data', "
-            "'fsdp'))`.",
-        ],
-    )
-
-
-def unknown_logical_axes(transform: str, problems: Sequence[str], known: Sequence[str]) -> str:
-    return format_message(
-        transform,
-        "rules",
-        list(problems),
-        "Rule: with rules given, every name in a Variable's sharding metadata (out_sharding, "
-        "set by `nnx.with_partitioning`) is a logical axis name the rules map; rules map: "
-        + (", ".join(repr(k) for k in known) or "nothing")
-        + ".",
-        [
-            "add a pair `(name, mesh axis or None)` for each such name to rules;",
-            "or correct the name in the metadata, e.g. "
-            "`nnx.with_partitioning(init, ('embed', 'mlp'))`.",
-        ],
-    )
-
-
-def unknown_mesh_axes(
-    transform: str, argument: str, problems: Sequence[str], mesh_axes: Sequence[str]
-) -> str:
-    return format_message(
-        transform,
-        argument,
-        list(problems),
-        "Rule: a Variable's sharding names axes of the mesh it is placed on; the mesh has "
-        + (", ".join(repr(a) for a in mesh_axes) or "no axes")
-        + ".",
-        [
-            "map the logical name to an existing mesh axis (or None) in rules;",
-            "or use a mesh that has that axis, e.g. `jax.make_mesh((2, 4), ('data', 'model'))`.",
-        ],
-    )
-
-
-def cannot_place(transform: str, path: str, detail: str, jax_message: str) -> str:
-    return format_message(
-        transform,
-        "tree",
-        [f"the Variable at {path} cannot be placed: {detail}"],
-        "Rule: a sharding must fit its array: one spec entry per dimension at most and each "
-        f"sharded dimension divisible by its mesh axes' size. (jax said: "
-        f"{jax_message.splitlines()[0] if jax_message else 'nothing'})",
-        [
-            "change the Variable's sharding metadata or the rules (None replicates a dimension);",
-            "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
-        ],
-    )
-
-
-def unknown_paths(transform: str, missing: Sequence[str], available: Sequence[str]) -> str:
-    shown = ", ".join(available[:12]) + (", ..." if len(available) > 12 else "")
-    return format_message(
-        transform,
-        "paths",
-        [f"no Variable at {p}" for p in missing],
-        f"Rule: paths name rows of the table, in the `.layers[0].kernel` style; rows: {shown}.",
-        [
-            "copy a path from the table's `path` column;",
-            "or give the path as a tuple of keys, e.g. `('layers', 0, 'kernel')`.",
-        ],
-    )
-
-
-def not_drawable(transform: str, problems: Sequence[str]) -> str:
-    return format_message(
-        transform,
-        "paths",
-        list(problems),
-        "Rule: jax draws device grids of 1-D and 2-D arrays whose sharding has devices.",
-        [
-            "leave such Variables out of paths (the table still lists them);",
-            "for an abstract model, call it inside `with jax.set_mesh(mesh):` so that its "
-            "abstract mesh gets devices.",
-        ],
-    )
-
-
-# Abstract models, AOT reports and export (issue 6) ---------------------------------------------
-
-
-def aot_unknown_config(transform: str, name: str, known: Sequence[str]) -> str:
-    return format_message(
-        transform,
-        "config",
-        [f"no config is named {name!r}"],
-        "Rule: config is a DecoderConfig or the name of one of: "
-        + ", ".join(repr(k) for k in known)
-        + ".",
-        [
-            "use one of those names, e.g. `aot_report('1b', {'data': 2, 'model': 4})`;",
-            "or pass your own `DecoderConfig(...)`.",
-        ],
-    )
-
-
-def aot_mesh_too_big(transform: str, axes: dict[str, int], size: int, devices: int) -> str:
-    return format_message(
-        transform,
-        "mesh",
-        [f"the mesh {axes} needs {size} devices, but jax has {devices}"],
-        "Rule: the mesh's axis sizes multiply to at most the number of devices.",
-        [
-            "use smaller axes, e.g. `{'data': 2, 'model': 4}` for 8 devices;",
-            "or simulate more CPU devices: `jax.config.update('jax_num_cpu_devices', 8)` "
-            "before jax starts.",
-        ],
-    )
-
-
-def aot_indivisible(transform: str, config: str, problems: Sequence[str]) -> str:
-    return format_message(
-        transform,
-        "mesh",
-        [f"config {config!r}: {p}" for p in problems],
-        "Rule: each sharded dimension is a multiple of its mesh axis' size (batch and embed "
-        "over 'data', heads, mlp and vocab over 'model').",
-        [
-            "use a mesh whose axes divide these sizes, e.g. `{'data': 2, 'model': 4}`;",
-            "or a config with sizes the mesh divides.",
-        ],
-    )
-
-
-def export_spec_without_mesh(transform: str, spec: str) -> str:
-    return format_message(
-        transform,
-        "in_shardings",
-        [f"the PartitionSpec {spec} needs a mesh, and none is set"],
-        "Rule: an exported program records each argument's NamedSharding; a PartitionSpec "
-        "is bound to the mesh set with `jax.set_mesh`.",
-        [
-            "export inside `with jax.set_mesh(mesh):`;",
-            "or give NamedShardings, e.g. `NamedSharding(mesh, P('data'))`.",
-        ],
-    )
-
-
-def export_bad_key(transform: str, key: str, type_name: str) -> str:
-    return format_message(
-        transform,
-        "in_tree/out_tree",
-        [f"a State key {key} is a {type_name}"],
-        "Rule: the States in a serialized program are keyed by attribute names (str) and "
-        "list indices (int).",
-        [
-            "use string keys in nnx.Dict attributes of exported modules;",
-            "or keep such containers out of the exported function's arguments.",
-        ],
-    )
-
-
-def export_structure_mismatch(transform: str, got: str, expected: str) -> str:
-    return format_message(
-        transform,
-        "arguments",
-        [f"the arguments have the structure {got}, the program takes {expected}"],
-        "Rule: give the exported call's dynamic arguments in order (static ones are baked "
-        "in), with a graph node or its nnx.State where the program takes a State.",
-        [
-            "pass the same kinds of arguments as at export, e.g. `call(nnx.state(model), x)`;",
-            "or build them from `exported.in_tree`: "
-            "`jax.tree.unflatten(exported.in_tree, arrays)`.",
-        ],
-    )
-
-
-def export_bad_arguments(transform: str, problems: Sequence[str]) -> str:
-    return format_message(
-        transform,
-        "arguments",
-        list(problems),
-        "Rule: every array the program takes is given, with the shape and dtype it was "
-        "exported for (`exported.in_avals`).",
-        [
-            "pass the state of a model built like the exported one;",
-            "or export again for the new shapes.",
-        ],
-    )
-
-
-def export_too_few_devices(transform: str, needed: int, available: int) -> str:
-    return format_message(
-        transform,
-        "devices",
-        [f"the program was exported for {needed} devices, but jax has {available}"],
-        "Rule: a sharded program runs on as many devices as it was exported for.",
-        [
-            "run it where that many devices exist, e.g. "
-            f"`jax.config.update('jax_num_cpu_devices', {needed})` on CPU;",
-            "or export it for fewer devices.",
-        ],
-    )

@@ -1,0 +1,28 @@
+"""The layout every message follows: ``transform: argument: problem``, a rule, fixes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _a(name: str) -> str:
+    """``name`` with its indefinite article: ``an int``, ``a str``."""
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def format_message(
+    transform: str,
+    argument: str,
+    problems: Sequence[str],
+    rule: str,
+    fixes: Sequence[str],
+) -> str:
+    """Assembles the standard message layout; every ``problems`` entry is listed."""
+    lines = [f"{transform}: {argument}: " + (problems[0] if len(problems) == 1 else "")]
+    if len(problems) > 1:
+        lines[0] += f"{len(problems)} problems:"
+        lines += [f"  - {p}" for p in problems]
+    lines.append(rule)
+    lines.append("Fixes:")
+    lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes, 1)]
+    return "\n".join(lines)

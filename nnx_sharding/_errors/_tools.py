@@ -1,0 +1,262 @@
+"""Messages of the tools around the transforms: metadata, tables, AOT and export."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._layout import _a, format_message
+
+# Metadata, tables and inspection (issue 5) -----------------------------------------------------
+
+
+def not_a_node(transform: str, argument: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        argument,
+        [f"found a {type_name}"],
+        "Rule: the tree is a graph node (Module, Optimizer, nnx.List/nnx.Dict, ...) or an "
+        "nnx.State of Variables.",
+        [
+            "pass the module itself, e.g. `shard(model)`;",
+            "or its state, e.g. `nnx.state(model)`.",
+        ],
+    )
+
+
+def bad_rules(transform: str, detail: str) -> str:
+    return format_message(
+        transform,
+        "rules",
+        [detail],
+        "Rule: rules is a sequence of (logical axis name, mesh axis or None) pairs, the "
+        "form of flax's `nnx.logical_axis_rules`.",
+        [
+            "write it as a list of pairs, e.g. `[('embed', None), ('mlp', 'model')]`;",
+            "map a logical name to several mesh axes with a tuple, e.g. `('batch', ('data', "
+            "'fsdp'))`.",
+        ],
+    )
+
+
+def unknown_logical_axes(transform: str, problems: Sequence[str], known: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "rules",
+        list(problems),
+        "Rule: with rules given, every name in a Variable's sharding metadata (out_sharding, "
+        "set by `nnx.with_partitioning`) is a logical axis name the rules map; rules map: "
+        + (", ".join(repr(k) for k in known) or "nothing")
+        + ".",
+        [
+            "add a pair `(name, mesh axis or None)` for each such name to rules;",
+            "or correct the name in the metadata, e.g. "
+            "`nnx.with_partitioning(init, ('embed', 'mlp'))`.",
+        ],
+    )
+
+
+def unknown_mesh_axes(
+    transform: str, argument: str, problems: Sequence[str], mesh_axes: Sequence[str]
+) -> str:
+    return format_message(
+        transform,
+        argument,
+        list(problems),
+        "Rule: a Variable's sharding names axes of the mesh it is placed on; the mesh has "
+        + (", ".join(repr(a) for a in mesh_axes) or "no axes")
+        + ".",
+        [
+            "map the logical name to an existing mesh axis (or None) in rules;",
+            "or use a mesh that has that axis, e.g. `jax.make_mesh((2, 4), ('data', 'model'))`.",
+        ],
+    )
+
+
+def cannot_place(transform: str, path: str, detail: str, jax_message: str) -> str:
+    return format_message(
+        transform,
+        "tree",
+        [f"the Variable at {path} cannot be placed: {detail}"],
+        "Rule: a sharding must fit its array: one spec entry per dimension at most and each "
+        f"sharded dimension divisible by its mesh axes' size. (jax said: "
+        f"{jax_message.splitlines()[0] if jax_message else 'nothing'})",
+        [
+            "change the Variable's sharding metadata or the rules (None replicates a dimension);",
+            "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
+        ],
+    )
+
+
+def unknown_paths(transform: str, missing: Sequence[str], available: Sequence[str]) -> str:
+    shown = ", ".join(available[:12]) + (", ..." if len(available) > 12 else "")
+    return format_message(
+        transform,
+        "paths",
+        [f"no Variable at {p}" for p in missing],
+        f"Rule: paths name rows of the table, in the `.layers[0].kernel` style; rows: {shown}.",
+        [
+            "copy a path from the table's `path` column;",
+            "or give the path as a tuple of keys, e.g. `('layers', 0, 'kernel')`.",
+        ],
+    )
+
+
+def not_drawable(transform: str, problems: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "paths",
+        list(problems),
+        "Rule: jax draws device grids of 1-D and 2-D arrays whose sharding has devices.",
+        [
+            "leave such Variables out of paths (the table still lists them);",
+            "for an abstract model, call it inside `with jax.set_mesh(mesh):` so that its "
+            "abstract mesh gets devices.",
+        ],
+    )
+
+
+# Abstract models, AOT reports and export (issue 6) ---------------------------------------------
+
+
+def aot_unknown_config(transform: str, name: str, known: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "config",
+        [f"no config is named {name!r}"],
+        "Rule: config is a DecoderConfig or the name of one of: "
+        + ", ".join(repr(k) for k in known)
+        + ".",
+        [
+            "use one of those names, e.g. `aot_report('1b', {'data': 2, 'model': 4})`;",
+            "or pass your own `DecoderConfig(...)`.",
+        ],
+    )
+
+
+def aot_mesh_too_big(transform: str, axes: dict[str, int], size: int, devices: int) -> str:
+    return format_message(
+        transform,
+        "mesh",
+        [f"the mesh {axes} needs {size} devices, but jax has {devices}"],
+        "Rule: the mesh's axis sizes multiply to at most the number of devices.",
+        [
+            "use smaller axes, e.g. `{'data': 2, 'model': 4}` for 8 devices;",
+            "or simulate more CPU devices: `jax.config.update('jax_num_cpu_devices', 8)` "
+            "before jax starts.",
+        ],
+    )
+
+
+def aot_indivisible(transform: str, config: str, problems: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "mesh",
+        [f"config {config!r}: {p}" for p in problems],
+        "Rule: each sharded dimension is a multiple of its mesh axis' size (batch and embed "
+        "over 'data', heads, mlp and vocab over 'model').",
+        [
+            "use a mesh whose axes divide these sizes, e.g. `{'data': 2, 'model': 4}`;",
+            "or a config with sizes the mesh divides.",
+        ],
+    )
+
+
+def export_spec_without_mesh(transform: str, spec: str, where: str) -> str:
+    return format_message(
+        transform,
+        "in_shardings",
+        [f"the PartitionSpec {spec} for {where} needs a mesh, and none is set"],
+        "Rule: an exported program records each argument's NamedSharding; a PartitionSpec "
+        "is bound to the mesh set with `jax.set_mesh`.",
+        [
+            "export inside `with jax.set_mesh(mesh):`;",
+            "or give NamedShardings, e.g. `NamedSharding(mesh, P('data'))`.",
+        ],
+    )
+
+
+def export_bad_key(transform: str, key: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        "in_tree/out_tree",
+        [f"a State key {key} is a {type_name}"],
+        "Rule: the States in a serialized program are keyed by attribute names (str) and "
+        "list indices (int).",
+        [
+            "use string keys in nnx.Dict attributes of exported modules;",
+            "or keep such containers out of the exported function's arguments.",
+        ],
+    )
+
+
+def export_structure_mismatch(
+    transform: str,
+    got: str,
+    expected: str,
+    missing: Sequence[str] = (),
+    extra: Sequence[str] = (),
+) -> str:
+    """``missing``/``extra``: the arguments the call lacks or has beyond the program's."""
+    parts = [f"{w} is missing" for w in missing]
+    parts += [f"{w} is not among the arguments it was exported for" for w in extra]
+    detail = f": {'; '.join(parts)}" if parts else ""
+    return format_message(
+        transform,
+        "arguments",
+        [f"the arguments have the structure {got}, the program takes {expected}{detail}"],
+        "Rule: give the exported call's dynamic arguments in order (static ones are baked "
+        "in), with a graph node or its nnx.State where the program takes a State.",
+        [
+            "pass the same kinds of arguments as at export, e.g. `call(nnx.state(model), x)`;",
+            "or build them from `exported.in_tree`: "
+            "`jax.tree.unflatten(exported.in_tree, arrays)`.",
+        ],
+    )
+
+
+def export_wrong_kind(where: str, expected: str, type_name: str) -> str:
+    """A problem for `export_bad_arguments`: a value of the wrong kind at ``where``."""
+    return f"{where}: expected {expected}, got {_a(type_name)}"
+
+
+def export_not_arrays(transform: str, problems: Sequence[tuple[str, str]]) -> str:
+    """``problems``: (where, type name) of each value that is not an array."""
+    return format_message(
+        transform,
+        "arguments",
+        [f"{where}: {_a(t)} is not an array" for where, t in problems],
+        "Rule: an exported program takes arrays (or jax.ShapeDtypeStructs), in the "
+        "arguments and in the Variables of their graph nodes; other values must be static.",
+        [
+            "make the argument static: export `nnx_sharding.jit(fun, static_argnums=...)`;",
+            "keep a non-array value of a module in a plain attribute, not in a Variable.",
+        ],
+    )
+
+
+def export_bad_arguments(transform: str, problems: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "arguments",
+        list(problems),
+        "Rule: every array the program takes is given, with the shape and dtype it was "
+        "exported for (`exported.in_avals`).",
+        [
+            "pass the state of a model built like the exported one;",
+            "or export again for the new shapes.",
+        ],
+    )
+
+
+def export_too_few_devices(transform: str, needed: int, available: int) -> str:
+    return format_message(
+        transform,
+        "devices",
+        [f"the program was exported for {needed} devices, but jax has {available}"],
+        "Rule: a sharded program runs on as many devices as it was exported for.",
+        [
+            "run it where that many devices exist, e.g. "
+            f"`jax.config.update('jax_num_cpu_devices', {needed})` on CPU;",
+            "or export it for fewer devices.",
+        ],
+    )
