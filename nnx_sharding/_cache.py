@@ -18,10 +18,11 @@ import functools
 import operator
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar
 
 import jax
 from flax import nnx
+from jax.core import Tracer
 
 from ._graph import (
     FAST_CALL,
@@ -33,6 +34,7 @@ from ._graph import (
     OutPlan,
     call_flat,
     deleted_leaves,
+    host_callbacks,
     merge_abstract,
     merge_call,
     partition_args,
@@ -47,7 +49,8 @@ R = TypeVar("R")
 
 MAX_ENTRIES = 64
 """Cached splits per transform; an entry also goes when one of its modules dies."""
-CacheKey = tuple[Any, ...]
+CacheKey: TypeAlias = tuple[Any, ...]
+"""The treedef, root ids and static arguments of a call (`fast_key`)."""
 
 
 class PlanState:
@@ -56,10 +59,27 @@ class PlanState:
     def __init__(self, jitted: Callable[..., Any]):
         self.jitted = jitted
         self.fast = True
+        self._waits: dict[int, tuple[OutPlan, bool]] = {}  # by id: one OutPlan per trace
 
     def note(self, out_plan: OutPlan) -> None:
         """Called with every trace's `OutPlan`: one that changed structure ends it."""
         self.fast = self.fast and out_plan.fast
+
+    def wait(self, out: tuple[Any, ...], args: tuple[list[Leaf], list[Leaf]]) -> None:
+        """Waits for the program's results if it calls back into Python at run time.
+
+        A host callback is the one way the user's function can raise once its program
+        runs. jax dispatches asynchronously and reports such an error only when the
+        results are read; waiting here raises it before `merge` writes anything back,
+        so the caller's Variables keep their values. Programs without callbacks stay
+        asynchronous. Looked up once per trace (``out[0]``; jax's trace cache answers).
+        """
+        known = self._waits.get(id(out[0]))
+        if known is None:
+            jaxpr = self.jitted.trace(*args).jaxpr  # type: ignore[attr-defined]
+            known = self._waits[id(out[0])] = (out[0], host_callbacks(jaxpr.jaxpr))
+        if known[1]:
+            jax.block_until_ready(out[1:])
 
 
 def fast_key(
@@ -112,7 +132,7 @@ class Entry:
         items: list[Any],
         call_slots: list[int | None],
         roots: list[Any],
-        on_death: Callable[[Any], None],
+        on_death: Callable[[weakref.ref[Any]], object],
     ):
         self.plan = plan
         self.state = state
@@ -159,10 +179,10 @@ class Entry:
             self._setters = (out_plan, [self.items[i].set_raw_value for i in out_plan.in_changed])
         for set_value, value in zip(self._setters[1], changed, strict=True):
             set_value(value)
-        out_flat = iter(out_flat)
+        outputs = iter(out_flat)
         roots = [ref() for ref in self.roots]
         out_leaves = [
-            next(out_flat) if source is None else roots[source] for source in out_plan.out_sources
+            next(outputs) if source is None else roots[source] for source in out_plan.out_sources
         ]
         return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
 
@@ -211,9 +231,9 @@ class CachedCall(Generic[P, R]):
         return state
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        args = (*self._bound, *args)
-        key, call_leaves, roots = fast_key(self._spec, args, kwargs)
-        entry = self._entries.get(key)
+        call_args = (*self._bound, *args)
+        key, call_leaves, roots = fast_key(self._spec, call_args, kwargs)
+        entry = None if key is None else self._entries.get(key)
         if entry is not None and entry.state.fast and entry.valid(roots):
             donated, kept = entry.arguments(call_leaves)
             FAST_CALL.active = True
@@ -226,16 +246,20 @@ class CachedCall(Generic[P, R]):
                     raise
                 # a deleted (donated) buffer: the full path below names it
             else:
+                entry.state.wait(out, (donated, kept))
                 return entry.merge(*out)
             finally:
                 FAST_CALL.active = False
         with nnx.update_context(TAG):
-            plan, leaves, sites, items = split_call(self._spec, args, kwargs)
+            plan, leaves, sites, items = split_call(self._spec, call_args, kwargs)
             state = self._state(plan)
             out = call_flat(state.jitted, plan, leaves, sites, self.mesh)
+            concrete = not any(isinstance(x, Tracer) for x in leaves)  # not inside a trace
+            if concrete:
+                state.wait(out, plan.partition(leaves))
             result = merge_call(leaves, *out)
         state.note(out[0])
-        if not any(isinstance(x, jax.core.Tracer) for x in leaves):  # not inside a trace
+        if concrete:
             remember(self._entries, key, plan, state, items, roots)
         return result
 

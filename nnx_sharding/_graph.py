@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TypeAlias
 
 import jax
 from flax import nnx
+from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh
 from jax.tree_util import DictKey, SequenceKey, keystr
 
@@ -42,6 +43,7 @@ from ._sharding import (
     variable_shardings,
 )
 from ._snapshot import Structure, Uncacheable
+from ._types import PyTreeDef
 
 TAG = "nnx_sharding"
 Leaf: TypeAlias = Any
@@ -80,7 +82,7 @@ class CallPlan:
     """The static half of a split call; equal plans share one compiled program."""
 
     spec: CallSpec
-    treedef: jax.tree_util.PyTreeDef  # of (dynamic args, dynamic kwargs); graph nodes are leaves
+    treedef: PyTreeDef  # of (dynamic args, dynamic kwargs); graph nodes are leaves
     graphdefs: tuple[GraphDef, ...]  # one per treedef leaf; None for array leaves
     sizes: tuple[int, ...]  # flat leaves per treedef leaf
     statics: tuple[tuple[int | str, Hashable], ...]
@@ -115,6 +117,7 @@ class CallPlan:
         return donated, kept
 
     def join(self, donated: Sequence[Leaf], kept: Sequence[Leaf]) -> list[Leaf]:
+        """The inverse of `partition`: (donated, kept) -> flat leaves."""
         d, k = iter(donated), iter(kept)
         return [next(d) if flag else next(k) for flag in self.donate]
 
@@ -126,7 +129,7 @@ class OutPlan:
 
     in_graphdefs: tuple[GraphDef, ...]  # updated input nodes (None for array inputs)
     in_sizes: tuple[int, ...]
-    out_treedef: jax.tree_util.PyTreeDef
+    out_treedef: PyTreeDef
     out_graphdefs: tuple[GraphDef, ...]
     out_sizes: tuple[int, ...]
     # Set when the inputs kept their structure: the flat indices of the input leaves
@@ -293,7 +296,7 @@ class InnerSplit(NamedTuple):
     in_graphdefs: tuple[GraphDef, ...]
     in_sizes: tuple[int, ...]
     in_items: list[Any]  # per input flat leaf: the Variable or array now there
-    out_treedef: jax.tree_util.PyTreeDef
+    out_treedef: PyTreeDef
     out_graphdefs: tuple[GraphDef, ...]
     out_sizes: tuple[int, ...]
     out_items: list[Any]  # per output flat leaf
@@ -431,6 +434,23 @@ def call_flat(
         raise type(e)(message).with_traceback(e.__traceback__) from None
 
 
+CALLBACKS = frozenset({"debug_callback", "io_callback", "pure_callback"})
+"""The primitives that run Python when the program runs."""
+
+
+def host_callbacks(jaxpr: Any) -> bool:
+    """Whether a ``jax.extend.core.Jaxpr``, its sub-jaxprs included, has a host callback."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in CALLBACKS:
+            return True
+        for param in eqn.params.values():
+            for value in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns") and host_callbacks(inner):
+                    return True
+    return False
+
+
 _DELETED = re.compile(r"(Array|Buffer) has been deleted")
 
 
@@ -442,7 +462,7 @@ def deleted_leaves(error: BaseException, leaves: Sequence[Leaf]) -> list[int]:
     return [
         i
         for i, x in enumerate(leaves)
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
     ]
 
 

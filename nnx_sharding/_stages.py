@@ -11,7 +11,7 @@ abstract module.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
@@ -24,17 +24,15 @@ from ._graph import (
     Site,
     call_flat,
     chunks,
+    host_callbacks,
     merge_abstract,
     merge_call,
     split_call,
 )
+from ._types import PyTreeDef
 
-
-def _passthrough(name: str, stage: str) -> property:
-    def get(self: _Stage) -> Any:
-        return getattr(self._jax, name)
-
-    return property(get, doc=f"See `jax.stages.{stage}.{name}`.")
+if TYPE_CHECKING:
+    from jax.extend.core import ClosedJaxpr
 
 
 def _differences(plan: CallPlan, expected: CallPlan) -> list[str]:
@@ -81,6 +79,7 @@ class _Stage:
         self._plan = plan
         self._sites = tuple(sites)
         self._bound = bound  # the object of a bound method, passed first
+        self._waits = False  # the program has host callbacks: see `_cache.PlanState.wait`
 
     @property
     def args_info(self) -> Any:
@@ -97,12 +96,25 @@ class _Stage:
         leaves = self._plan.join(avals[:n_donated], avals[n_donated:])
         return merge_abstract(leaves, *self._jax.out_info)
 
-    in_tree = property(lambda self: self._jax.in_tree, doc="See `jax.stages.Lowered.in_tree`.")
-    in_avals = property(lambda self: self._jax.in_avals, doc="See `jax.stages.Lowered.in_avals`.")
-    out_tree = property(lambda self: self._jax.out_tree, doc="See `jax.stages.Lowered.out_tree`.")
-    donate_argnums = property(
-        lambda self: self._jax.donate_argnums, doc="See `jax.stages.Lowered.donate_argnums`."
-    )
+    @property
+    def in_tree(self) -> PyTreeDef:
+        """See `jax.stages.Lowered.in_tree`."""
+        return self._jax.in_tree
+
+    @property
+    def in_avals(self) -> Any:
+        """See `jax.stages.Lowered.in_avals`."""
+        return self._jax.in_avals
+
+    @property
+    def out_tree(self) -> PyTreeDef:
+        """See `jax.stages.Lowered.out_tree`."""
+        return self._jax.out_tree
+
+    @property
+    def donate_argnums(self) -> tuple[int, ...]:
+        """See `jax.stages.Lowered.donate_argnums`."""
+        return self._jax.donate_argnums
 
 
 def arrange(
@@ -127,10 +139,26 @@ class Traced(_Stage):
     """A traced call; mirrors `jax.stages.Traced`."""
 
     _STAGE = "Traced"
-    jaxpr = _passthrough("jaxpr", "Traced")
-    out_avals = _passthrough("out_avals", "Traced")
-    fun_name = _passthrough("fun_name", "Traced")
-    lojax = _passthrough("lojax", "Traced")
+
+    @property
+    def jaxpr(self) -> ClosedJaxpr:
+        """See `jax.stages.Traced.jaxpr`."""
+        return self._jax.jaxpr
+
+    @property
+    def out_avals(self) -> Any:
+        """See `jax.stages.Traced.out_avals`."""
+        return self._jax.out_avals
+
+    @property
+    def fun_name(self) -> str:
+        """See `jax.stages.Traced.fun_name`."""
+        return self._jax.fun_name
+
+    @property
+    def lojax(self) -> Any:
+        """See `jax.stages.Traced.lojax`."""
+        return self._jax.lojax
 
     _moved: Sequence[tuple[str, Any, Any]] = ()
     """``(where, sharding, wanted)`` of committed arguments on another sharding than
@@ -146,7 +174,9 @@ class Traced(_Stage):
             spec = self._plan.spec
             message = _errors.sharding_mismatch(spec.transform, spec.in_name, self._moved)
             raise ValueError(message).with_traceback(e.__traceback__) from None
-        return Lowered(lowered, self._plan, self._sites, self._bound)
+        out = Lowered(lowered, self._plan, self._sites, self._bound)
+        out._waits = host_callbacks(self._jax.jaxpr.jaxpr)
+        return out
 
 
 class Lowered(_Stage):
@@ -168,17 +198,35 @@ class Lowered(_Stage):
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         """See `jax.stages.Lowered.compile`."""
-        return Compiled(self._jax.compile(compiler_options), self._plan, self._sites, self._bound)
+        out = Compiled(self._jax.compile(compiler_options), self._plan, self._sites, self._bound)
+        out._waits = self._waits
+        return out
 
 
 class Compiled(_Stage):
     """A compiled call; mirrors `jax.stages.Compiled`, called with modules."""
 
     _STAGE = "Compiled"
-    input_shardings = _passthrough("input_shardings", "Compiled")
-    output_shardings = _passthrough("output_shardings", "Compiled")
-    input_formats = _passthrough("input_formats", "Compiled")
-    output_formats = _passthrough("output_formats", "Compiled")
+
+    @property
+    def input_shardings(self) -> Any:
+        """See `jax.stages.Compiled.input_shardings`."""
+        return self._jax.input_shardings
+
+    @property
+    def output_shardings(self) -> Any:
+        """See `jax.stages.Compiled.output_shardings`."""
+        return self._jax.output_shardings
+
+    @property
+    def input_formats(self) -> Any:
+        """See `jax.stages.Compiled.input_formats`."""
+        return self._jax.input_formats
+
+    @property
+    def output_formats(self) -> Any:
+        """See `jax.stages.Compiled.output_formats`."""
+        return self._jax.output_formats
 
     def as_text(self) -> str | None:
         """See `jax.stages.Compiled.as_text`."""
@@ -211,6 +259,9 @@ class Compiled(_Stage):
                 )
             if wrong:
                 raise TypeError(_errors.structure_mismatch(spec.transform, wrong))
-            return merge_call(leaves, *call_flat(self._jax, plan, leaves, sites))
+            out = call_flat(self._jax, plan, leaves, sites)
+            if self._waits:  # raise a run-time error before anything is written back
+                jax.block_until_ready(out[1:])
+            return merge_call(leaves, *out)
 
     call = __call__

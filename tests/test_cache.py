@@ -1,5 +1,6 @@
 """The fast path (`_cache`): cached splits must never serve a stale graph."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -134,3 +135,31 @@ def test_cache_entry_dies_with_its_module():
     del model
     gc.collect()
     assert len(f._entries) == 0
+
+
+def test_a_call_waits_for_its_program_only_when_it_has_host_callbacks(monkeypatch):
+    """A run-time error can only come from a host callback: such programs are waited for
+    before the write-back (so it raises with the Variables untouched); others stay async."""
+    waited = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(1) or real(x))
+
+    def quiet(c):
+        c["n"][...] += 1
+
+    def chatty(c):
+        c["n"][...] += 1
+        jax.debug.callback(lambda n: None, c["n"][...])
+
+    def make():
+        return nnx.Dict(n=nnx.BatchStat(jnp.array(0)))
+
+    for fun, expected in [(quiet, 0), (chatty, 3)]:
+        counter, f = make(), nnx_sharding.jit(fun)
+        for _ in range(3):  # the first call traces; the others take the fast path
+            f(counter)
+        assert len(waited) == expected, fun.__name__
+        assert int(counter["n"][...]) == 3
+    compiled = nnx_sharding.jit(chatty).lower(make()).compile()
+    compiled(make())
+    assert len(waited) == 4
