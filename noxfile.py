@@ -26,7 +26,7 @@ FLAX_VERSIONS = {
 def tests(session: nox.Session, flax: str) -> None:
     """Run the whole test suite (8 simulated CPU devices) against one flax version."""
     session.install("-e", ".[test]")
-    # Installed on its own so that it may leave the range pyproject.toml asks for.
+    # Installed on its own: pins the oldest release pyproject.toml allows, or upgrades.
     session.install("--upgrade", FLAX_VERSIONS[flax])
     session.run("python", "-c", "import flax; print('flax', flax.__version__)")
     session.run("pytest", "-n", "2", *session.posargs)
