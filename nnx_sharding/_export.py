@@ -358,6 +358,7 @@ def _states_by_path(
             continue
         values = _flat(node)
         paths = [tuple(site.path) for site in here]
+        known = set(paths)
         if new_size != size or any(p not in values for p in paths):
             changed.append(where)
             changes[where] = [
@@ -367,7 +368,7 @@ def _states_by_path(
             ] + [
                 _errors.graph_change("added", where + format_path(p), "Variable")
                 for p in values
-                if p not in set(paths)
+                if p not in known
             ]
         else:
             states.append(_nested_state((p, values[p]) for p in paths))

@@ -6,7 +6,8 @@ relays their output prefixed ``[p0] ``, ``[p1] ``..., and stops them all when on
 when ``--timeout`` passes or when the launcher is interrupted. The script calls
 :func:`initialize_distributed`, which also works unchanged on a real cluster.
 
-The launcher process itself never imports jax.
+The launcher process never starts a jax backend (running it as ``-m nnx_sharding.launch``
+imports the package, and so jax, which takes about 2 s).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def initialize_distributed(**kwargs: Any) -> None:
       **kwargs: Passed on to ``jax.distributed.initialize`` (``coordinator_address``,
         ``num_processes``, ``process_id``, ``initialization_timeout``...).
     """
-    import jax  # here, so that the launcher process never needs jax
+    import jax  # here: nothing in the launcher's own code needs jax
 
     if jax.distributed.is_initialized():
         return

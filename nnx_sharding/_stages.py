@@ -73,13 +73,18 @@ class _Stage:
     _STAGE = ""
 
     def __init__(
-        self, jax_stage: Any, plan: CallPlan, sites: Sequence[Site], bound: tuple[Any, ...] = ()
+        self,
+        jax_stage: Any,
+        plan: CallPlan,
+        sites: Sequence[Site],
+        bound: tuple[Any, ...] = (),
+        waits: bool = False,
     ):
         self._jax = jax_stage
         self._plan = plan
         self._sites = tuple(sites)
         self._bound = bound  # the object of a bound method, passed first
-        self._waits = False  # the program has host callbacks: see `_cache.PlanState.wait`
+        self._waits = waits  # the program has host callbacks: see `_cache.PlanState.wait`
 
     @property
     def args_info(self) -> Any:
@@ -174,9 +179,8 @@ class Traced(_Stage):
             spec = self._plan.spec
             message = _errors.sharding_mismatch(spec.transform, spec.in_name, self._moved)
             raise ValueError(message).with_traceback(e.__traceback__) from None
-        out = Lowered(lowered, self._plan, self._sites, self._bound)
-        out._waits = host_callbacks(self._jax.jaxpr.jaxpr)
-        return out
+        waits = host_callbacks(self._jax.jaxpr.jaxpr)
+        return Lowered(lowered, self._plan, self._sites, self._bound, waits)
 
 
 class Lowered(_Stage):
@@ -198,9 +202,8 @@ class Lowered(_Stage):
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         """See `jax.stages.Lowered.compile`."""
-        out = Compiled(self._jax.compile(compiler_options), self._plan, self._sites, self._bound)
-        out._waits = self._waits
-        return out
+        compiled = self._jax.compile(compiler_options)
+        return Compiled(compiled, self._plan, self._sites, self._bound, self._waits)
 
 
 class Compiled(_Stage):
