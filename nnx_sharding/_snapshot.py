@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, MutableSequence
+from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence
 from itertools import chain
 from operator import is_
 from typing import Any
@@ -42,23 +42,30 @@ class Snapshot:
         self._skip = [i for i, key in enumerate(self._keys) if key in BOOKKEEPING]
 
     def _read(self) -> tuple[list[Any], list[Any]]:
+        return self._read_keys(), [*self._iter_values()]
+
+    def _read_keys(self) -> list[Any]:
         keys = [*chain.from_iterable(self._dicts)]
-        values = [*chain.from_iterable(map(dict.values, self._dicts))]
         for obj in self._others:
-            items = list(obj.items()) if isinstance(obj, Mapping) else list(enumerate(obj))
-            keys += [k for k, _ in items]
-            values += [v for _, v in items]
-        return keys, values
+            keys += obj.keys() if isinstance(obj, Mapping) else range(len(obj))
+        return keys
+
+    def _iter_values(self) -> Iterator[Any]:
+        values = chain.from_iterable(map(dict.values, self._dicts))
+        if not self._others:
+            return values
+        rest = (obj.values() if isinstance(obj, Mapping) else obj for obj in self._others)
+        return chain(values, chain.from_iterable(rest))
 
     def fresh(self) -> bool:
         """True when no container gained, lost or replaced a value since the snapshot."""
-        keys, values = self._read()
-        if keys != self._keys:
+        if self._read_keys() != self._keys:
             return False
-        if all(map(is_, values, self._values)):
+        if all(map(is_, self._iter_values(), self._values)):  # streamed: no list built
             return True
         # Only flax's bookkeeping may differ (a full call elsewhere replaced it): then
         # the structure is the same; take the new bookkeeping so the next check is quick.
+        values = [*self._iter_values()]
         new = [values[i] for i in self._skip]
         for i in self._skip:
             values[i] = self._values[i]
