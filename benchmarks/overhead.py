@@ -5,6 +5,8 @@ graph-overhead benchmark (width 32, BatchNorm in every block) at several depths,
 process through these implementations:
 
   nnx_sharding.jit        this package (n/a while it cannot be imported or fails)
+  ... (donate)            the same with donate_argnums=(0, 1), as floor (a) donates (train only)
+  ... Compiled            jit(step).lower(...).compile(), called with the modules
   nnx.jit (graph)         flax.nnx.jit in graph mode (the default)
   nnx.jit (graph=False)   flax.nnx.jit in tree mode
   nnx.cached_partial      flax.nnx.cached_partial(nnx.jit(step), model, optimizer)
@@ -115,12 +117,17 @@ class StepSpec:
     fn: Callable[[MLP, nnx.Optimizer, Array, Array], Any]
     changes: type[nnx.Variable]  # the Variables the step updates: what floor (b) returns
     floor: str  # the variant the ratios are taken against
+    donates: bool  # whether the floor donates; variants that donate run only then
 
 
 STEPS = {
-    "noop": StepSpec(noop_step, Count, "floor (b)"),
-    "train": StepSpec(train_step, nnx.Variable, "floor (a)"),
+    "noop": StepSpec(noop_step, Count, "floor (b)", donates=False),
+    "train": StepSpec(train_step, nnx.Variable, "floor (a)", donates=True),
 }
+
+
+class NotApplicable(Exception):
+    """A variant that does not apply to a step: n/a in the table, without a warning."""
 
 
 # ----------------------------------------------------------------------------- variants
@@ -134,11 +141,14 @@ Variant = Callable[[StepSpec, MLP, nnx.Optimizer, Array, Array], Bench]
 JitFn = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
-def lifted(jit: JitFn, *, partial: bool = False) -> Variant:
+def lifted(jit: JitFn, *, partial: bool = False, donates: bool = False) -> Variant:
     """A lifted jit updating model and optimizer in place: f(model, opt, x, y), or with
-    partial=True nnx.cached_partial(f, model, opt)(x, y)."""
+    partial=True nnx.cached_partial(f, model, opt)(x, y). A jit that donates (donates=True)
+    runs only for steps whose floor donates."""
 
     def make(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: Array, y: Array) -> Bench:
+        if donates and not spec.donates:
+            raise NotApplicable(f"{spec.floor} does not donate")
         f = jit(spec.fn)
         if partial:
             f_xy = nnx.cached_partial(f, model, opt)
@@ -158,10 +168,16 @@ def current_values(spec: StepSpec, model: MLP, opt: nnx.Optimizer) -> Callable[[
     return lambda: [v.get_raw_value() for v in variables]
 
 
-def nnx_sharding_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+def nnx_sharding_jit(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
         sys.path.append(str(REPO))
-    return importlib.import_module("nnx_sharding").jit(fn)
+    return importlib.import_module("nnx_sharding").jit(fn, **options)
+
+
+def compiled(spec: StepSpec, model: MLP, opt: nnx.Optimizer, x: Array, y: Array) -> Bench:
+    """``nnx_sharding.jit(step).lower(...).compile()``, called with the modules."""
+    program = nnx_sharding_jit(spec.fn).lower(model, opt, x, y).compile()
+    return Bench(lambda: program(model, opt, x, y), current_values(spec, model, opt))
 
 
 def tree_mode_jit(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -227,6 +243,10 @@ def flat(*, donate: bool, only_changed: bool) -> Variant:
 
 VARIANTS: dict[str, Variant] = {
     "nnx_sharding.jit": lifted(nnx_sharding_jit),
+    "nnx_sharding.jit (donate)": lifted(
+        functools.partial(nnx_sharding_jit, donate_argnums=(0, 1)), donates=True
+    ),
+    "nnx_sharding Compiled": compiled,
     "nnx.jit (graph)": lifted(nnx.jit),
     "nnx.jit (graph=False)": lifted(tree_mode_jit),
     "nnx.cached_partial": lifted(nnx.jit, partial=True),
@@ -274,6 +294,8 @@ def attempt(what: str, measure: Callable[[], float]) -> tuple[float | None, str 
     """measure(), or (None, reason): an unfinished or incompatible variant becomes n/a."""
     try:
         return measure(), None
+    except NotApplicable as e:
+        return None, f"not applicable: {e}"
     except Exception as e:
         reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:300]
         console.print(f"[yellow]{what} failed: {reason}")

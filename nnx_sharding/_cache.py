@@ -6,46 +6,35 @@ flat list of Variables, the plan and the jitted function. An `Entry` keeps them,
 with a `Snapshot` that proves "unchanged" at C speed: the identity of every value
 in every mutable container (module ``__dict__``, lists, dicts, States) of the graphs.
 
-A call takes the fast path only when the trace that jax will reuse reported no
-structure change (`OutPlan.fast`). Should jax need a new trace during a fast call
-(new shapes, say), the inner function raises `NeedsTrace` before anything runs
-and the call is redone on the full protocol.
+A call takes the fast path (`fast_call`) only when the trace that jax will reuse
+reported no structure change (`OutPlan.fast`). Should jax need a new trace during
+a fast call (new shapes, say), the inner function raises `NeedsTrace` before
+anything runs and the call is redone on the full protocol. `_call.CachedCall`
+(every transform) and `_stages.Compiled` call through here.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar
+from typing import Any, TypeAlias
 
 import jax
 from flax import nnx
-from jax.core import Tracer
 
 from ._graph import (
     FAST_CALL,
-    TAG,
     CallPlan,
     CallSpec,
     Leaf,
     NeedsTrace,
     OutPlan,
-    call_flat,
-    deleted_leaves,
     host_callbacks,
-    merge_abstract,
-    merge_call,
     partition_args,
-    split_call,
 )
-from ._sharding import is_node, mismatched_shardings
+from ._sharding import is_node
 from ._snapshot import Snapshot, Uncacheable
-from ._stages import Lowered, Traced
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 MAX_ENTRIES = 64
 """Cached splits per transform; an entry also goes when one of its modules dies."""
@@ -54,11 +43,16 @@ CacheKey: TypeAlias = tuple[Any, ...]
 
 
 class PlanState:
-    """One plan's ``jax.jit`` function, and whether all its traces allow the fast path."""
+    """One plan's jax function, and whether all its traces allow the fast path.
 
-    def __init__(self, jitted: Callable[..., Any]):
+    ``jitted`` is a ``jax.jit`` function, or a ``jax.stages.Compiled`` with ``waits``
+    given: whether its one program has host callbacks (see `wait`).
+    """
+
+    def __init__(self, jitted: Callable[..., Any], waits: bool | None = None):
         self.jitted = jitted
         self.fast = True
+        self._always = waits
         self._waits: dict[int, tuple[OutPlan, bool]] = {}  # by id: one OutPlan per trace
 
     def note(self, out_plan: OutPlan) -> None:
@@ -74,6 +68,10 @@ class PlanState:
         so the caller's Variables keep their values. Programs without callbacks stay
         asynchronous. Looked up once per trace (``out[0]``; jax's trace cache answers).
         """
+        if self._always is not None:
+            if self._always:
+                jax.block_until_ready(out[1:])
+            return
         known = self._waits.get(id(out[0]))
         if known is None:
             jaxpr = self.jitted.trace(*args).jaxpr  # type: ignore[attr-defined]
@@ -95,6 +93,35 @@ def fast_key(
     except TypeError:
         key = None
     return key, call_leaves, roots
+
+
+def fast_call(
+    entries: dict[CacheKey, Entry], spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[bool, Any, CacheKey | None, list[Any]]:
+    """Runs a call through its cached split, if one is cached and still valid.
+
+    Returns ``(done, result, key, roots)``. When not done, the caller takes the full
+    path and then `remember`s it under ``key``. What jax raises here, bar a run-time
+    error of the program, comes from its argument checks or a new trace (`NeedsTrace`)
+    before the program runs: the full path redoes the call and, should it fail again,
+    names the argument.
+    """
+    key, call_leaves, roots = fast_key(spec, args, kwargs)
+    entry = None if key is None else entries.get(key)
+    if entry is None or not entry.state.fast or not entry.valid(roots):
+        return False, None, key, roots
+    donated, kept = entry.arguments(call_leaves)
+    FAST_CALL.active = True
+    try:
+        out = entry.state.jitted(donated, kept)
+    except jax.errors.JaxRuntimeError:  # the program ran (synchronously) and failed
+        raise
+    except (NeedsTrace, TypeError, ValueError, RuntimeError):
+        return False, None, key, roots
+    finally:
+        FAST_CALL.active = False
+    entry.state.wait(out, (donated, kept))
+    return True, entry.merge(*out), key, roots
 
 
 def remember(
@@ -157,7 +184,10 @@ class Entry:
                 source_of.append(n_var + n_call + len(constants))
                 constants.append(x)
         self.constants = constants
-        self.pick_donated, self.pick_kept = (_picker(idx) for idx in plan.partition(source_of))
+        n_sources = n_var + n_call + len(constants)
+        self.pick_donated, self.pick_kept = (
+            _picker(idx, n_sources) for idx in plan.partition(source_of)
+        )
         self._setters: tuple[OutPlan | None, list[Callable[[Leaf], None]]] = (None, [])
 
     def valid(self, roots: list[Any]) -> bool:
@@ -190,8 +220,10 @@ class Entry:
 _raw_value = nnx.Variable.get_raw_value
 
 
-def _picker(indices: list[int]) -> Callable[[list[Leaf]], list[Leaf]]:
-    """``lambda xs: [xs[i] for i in indices]``, at C speed."""
+def _picker(indices: list[int], n: int) -> Callable[[list[Leaf]], list[Leaf]]:
+    """``lambda xs: [xs[i] for i in indices]`` for lists ``xs`` of length ``n``, at C speed."""
+    if indices == list(range(n)):  # all of them, in order: the list built for this call
+        return lambda xs: xs
     if len(indices) == 0:
         return lambda xs: []
     if len(indices) == 1:
@@ -199,100 +231,3 @@ def _picker(indices: list[int]) -> Callable[[list[Leaf]], list[Leaf]]:
         return lambda xs: [xs[i]]
     get = operator.itemgetter(*indices)
     return lambda xs: list(get(xs))
-
-
-class CachedCall(Generic[P, R]):
-    """The call path every transform shares: the fast path, else split, run, merge.
-
-    A subclass says how one `CallPlan` becomes a jax-level function (`_build`,
-    a ``jax.jit`` over the flat ``(donated, kept)`` leaves whose inner function is
-    made by `_graph`'s steps 2 and 3); everything else is here.
-    """
-
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
-    """The mesh that PartitionSpecs in the shardings refer to; None: the context's."""
-
-    def __init__(self, fun: Callable[P, R], spec: CallSpec):
-        functools.update_wrapper(self, fun)
-        self.fun = fun
-        self._spec = spec
-        self._plans: dict[CallPlan, PlanState] = {}
-        self._entries: dict[CacheKey, Entry] = {}
-        self._bound: tuple[Any, ...] = ()
-
-    def _build(self, plan: CallPlan) -> Callable[..., Any]:
-        """The jitted function of one plan, taking ``plan.partition(leaves)``."""
-        raise NotImplementedError
-
-    def _state(self, plan: CallPlan) -> PlanState:
-        state = self._plans.get(plan)
-        if state is None:
-            state = self._plans[plan] = PlanState(self._build(plan))
-        return state
-
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        call_args = (*self._bound, *args)
-        key, call_leaves, roots = fast_key(self._spec, call_args, kwargs)
-        entry = None if key is None else self._entries.get(key)
-        if entry is not None and entry.state.fast and entry.valid(roots):
-            donated, kept = entry.arguments(call_leaves)
-            FAST_CALL.active = True
-            try:
-                out = entry.state.jitted(donated, kept)
-            except NeedsTrace:
-                pass
-            except (ValueError, RuntimeError) as e:
-                if not deleted_leaves(e, [*donated, *kept]):
-                    raise
-                # a deleted (donated) buffer: the full path below names it
-            else:
-                entry.state.wait(out, (donated, kept))
-                return entry.merge(*out)
-            finally:
-                FAST_CALL.active = False
-        with nnx.update_context(TAG):
-            plan, leaves, sites, items = split_call(self._spec, call_args, kwargs)
-            state = self._state(plan)
-            out = call_flat(state.jitted, plan, leaves, sites, self.mesh)
-            concrete = not any(isinstance(x, Tracer) for x in leaves)  # not inside a trace
-            if concrete:
-                state.wait(out, plan.partition(leaves))
-            result = merge_call(leaves, *out)
-        state.note(out[0])
-        if concrete:
-            remember(self._entries, key, plan, state, items, roots)
-        return result
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        bound = object.__new__(type(self))
-        bound.__dict__.update(self.__dict__)
-        bound._bound = (obj,)
-        return bound
-
-    def trace(self, *args: Any, **kwargs: Any) -> Traced:
-        """Traces for these arguments; see `jax.stages.Traced`."""
-        plan, leaves, sites, traced = self._abstract("trace", args, kwargs)
-        out = Traced(traced, plan, sites, self._bound)
-        out._moved = mismatched_shardings(leaves, plan.shardings, sites, self.mesh)
-        return out
-
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
-        return self.trace(*args, **kwargs).lower()
-
-    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
-        """The abstract outputs (modules included) of a call; changes no state."""
-        _, leaves, _, out = self._abstract("eval_shape", args, kwargs)
-        return merge_abstract(leaves, *out)
-
-    def _abstract(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Splits a call and runs ``jax.jit(...).trace`` or ``.eval_shape`` on it."""
-        with nnx.update_context(TAG):
-            plan, leaves, sites, _ = split_call(self._spec, (*self._bound, *args), kwargs)
-            state = self._state(plan)
-            result = call_flat(getattr(state.jitted, method), plan, leaves, sites, self.mesh)
-        out_info = result.out_info if method == "trace" else result
-        state.note(out_info[0])
-        return plan, leaves, sites, result

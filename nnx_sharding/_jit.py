@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from . import _errors
-from ._cache import CachedCall
+from ._call import CachedCall
 from ._graph import (
     FAST_CALL,
     CallPlan,

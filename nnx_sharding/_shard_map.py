@@ -1,6 +1,6 @@
 """`shard_map`: ``jax.shard_map`` over NNX graph nodes, with NNX semantics.
 
-A call runs through the same cached path as `jit` (`_cache.CachedCall`): the
+A call runs through the same cached path as `jit` (`_call.CachedCall`): the
 arguments are split into flat arrays, and the plan's jitted function wraps one
 ``jax.shard_map`` over them. Inside, each device merges its own shards back into
 modules, runs the function and splits the result again:
@@ -24,7 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jax.tree_util import keystr
 
 from . import _errors
-from ._cache import CachedCall
+from ._call import CachedCall
 from ._graph import (
     FAST_CALL,
     CallPlan,

@@ -10,6 +10,7 @@ abstract module.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ import jax
 from flax import nnx
 
 from . import _errors
+from ._cache import CacheKey, Entry, PlanState, fast_call, remember
 from ._graph import (
     TAG,
     CallPlan,
@@ -247,11 +249,23 @@ class Compiled(_Stage):
         """See `jax.stages.Compiled.runtime_executable`."""
         return self._jax.runtime_executable()
 
+    @functools.cached_property
+    def _state(self) -> PlanState:
+        return PlanState(self._jax, waits=self._waits)
+
+    @functools.cached_property
+    def _entries(self) -> dict[CacheKey, Entry]:
+        return {}
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the program on the same kinds of arguments as the `JitWrapped`."""
         spec = self._plan.spec
+        call_args = (*self._bound, *args)
+        done, result, key, roots = fast_call(self._entries, spec, call_args, kwargs)
+        if done:
+            return result
         with nnx.update_context(TAG):
-            plan, leaves, sites, _ = split_call(spec, (*self._bound, *args), kwargs)
+            plan, leaves, sites, items = split_call(spec, call_args, kwargs)
             wrong = _differences(plan, self._plan) if plan != self._plan else []
             donated, kept = plan.partition(leaves)
             if not wrong:
@@ -263,8 +277,10 @@ class Compiled(_Stage):
             if wrong:
                 raise TypeError(_errors.structure_mismatch(spec.transform, wrong))
             out = call_flat(self._jax, plan, leaves, sites)
-            if self._waits:  # raise a run-time error before anything is written back
-                jax.block_until_ready(out[1:])
-            return merge_call(leaves, *out)
+            self._state.wait(out, (donated, kept))  # a run-time error: nothing written back
+            result = merge_call(leaves, *out)
+        self._state.note(out[0])
+        remember(self._entries, key, plan, self._state, items, roots)
+        return result
 
     call = __call__

@@ -65,11 +65,37 @@ def _other_jit(model):
     bump_bias(model)
 
 
-@pytest.mark.parametrize(
-    "change", [_replace_attribute, _swap_variable, _append_layer, _set_value, _other_jit]
-)
+def _toggle_static(model):
+    model.eval()  # BatchNorm's use_running_average: a static attribute, a new graphdef
+
+
+def _grow_plain_list(model):
+    model.extras.append(nnx.Param(jnp.ones(())))  # a list held with nnx.data: not a Pytree
+
+
+class ModelWithList(Model):
+    def __init__(self):
+        super().__init__()
+        self.extras = nnx.data([nnx.Param(jnp.zeros(()))])
+
+    def __call__(self, x):
+        return super().__call__(x) + sum(p[...] for p in self.extras)
+
+
+CHANGES = [
+    _replace_attribute,
+    _swap_variable,
+    _append_layer,
+    _set_value,
+    _other_jit,
+    _toggle_static,
+    _grow_plain_list,
+]
+
+
+@pytest.mark.parametrize("change", CHANGES)
 def test_change_between_calls_is_seen(change):
-    model = Model()
+    model = ModelWithList()
     for _ in range(3):  # warm the cache: later calls take the fast path
         forward(model, X)
     change(model)
@@ -163,3 +189,75 @@ def test_a_call_waits_for_its_program_only_when_it_has_host_callbacks(monkeypatc
     compiled = nnx_sharding.jit(chatty).lower(make()).compile()
     compiled(make())
     assert len(waited) == 4
+
+
+def test_renamed_attribute_is_seen():
+    """Renaming the last attribute leaves the module's values, in order, as they were:
+    only its keys tell the change."""
+    model = Model()
+    for _ in range(3):
+        forward(model, X)
+    model.blocks = model.layers
+    del model.layers
+    with pytest.raises(AttributeError, match="layers"):
+        forward(model, X)
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_compiled_sees_or_refuses_each_change(change):
+    """Compiled.__call__ shares the fast path: a change that keeps the graph definition
+    (new objects of the same structure too) is seen; one that changes it is refused, as
+    the program was compiled for one structure. Never served stale."""
+    model = ModelWithList()
+    compiled = forward.lower(model, X).compile()
+    for _ in range(3):
+        compiled(model, X)
+    graphdef = nnx.graphdef(model)
+    change(model)
+    reference = nnx.clone(model)
+    if nnx.graphdef(model) == graphdef:
+        expected = nnx_sharding.jit(lambda m, x: m(x))(reference, X)
+        np.testing.assert_array_equal(compiled(model, X), expected)
+        np.testing.assert_array_equal(model.first.bn.mean[...], reference.first.bn.mean[...])
+    else:
+        with pytest.raises(TypeError, match=r"(?s)jit: .*args\[0\]"):
+            compiled(model, X)
+        assert nnx.graphdef(model) == nnx.graphdef(reference)  # nothing written back
+        np.testing.assert_array_equal(model.count[...], reference.count[...])
+
+
+def test_compiled_takes_the_fast_path(monkeypatch):
+    from nnx_sharding import _stages
+
+    splits = []
+    real = _stages.split_call
+    monkeypatch.setattr(_stages, "split_call", lambda *a: splits.append(1) or real(*a))
+    model = Model()
+    compiled = forward.lower(model, X).compile()
+    for _ in range(4):
+        compiled(model, X)
+    assert len(splits) == 1  # the first call splits and caches; the others reuse it
+    assert int(model.count[...]) == 4
+
+
+def test_fast_path_names_a_bad_value_set_from_outside():
+    """jax's complaint about a flat argument (``kept[3]``) is redone on the full path,
+    which names the Variable."""
+    model = Model()
+    for _ in range(2):
+        forward(model, X)
+    model.first.linear.bias.set_raw_value("oops")
+    with pytest.raises(TypeError, match=r"args\[0\]\.first\.linear\.bias"):
+        forward(model, X)
+
+
+def test_compiled_names_a_changed_shape_set_from_outside():
+    model = Model()
+    compiled = forward.lower(model, X).compile()
+    compiled(model, X)
+    compiled(model, X)
+    model.first.linear.bias[...] = jnp.zeros((4,))  # same shape: fine
+    compiled(model, X)
+    model.first.linear.bias = nnx.Param(jnp.zeros((5,)))
+    with pytest.raises(TypeError, match=r"args\[0\]\.first\.linear\.bias: got float32\[5\]"):
+        compiled(model, X)

@@ -262,11 +262,11 @@ def test_adam_update_inside_the_shard_map_body():
 
 
 def test_adam_step_in_jit_stays_on_the_fast_path(monkeypatch):
-    import nnx_sharding._cache as cache
+    import nnx_sharding._call as call
 
     calls = []
-    real = cache.split_call
-    monkeypatch.setattr(cache, "split_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = call.split_call
+    monkeypatch.setattr(call, "split_call", lambda *a, **k: calls.append(1) or real(*a, **k))
     mesh = r.make_mesh({"model": 8})
     model = new_model()
     optimizer = r.make_optimizer(model)
