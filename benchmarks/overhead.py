@@ -16,8 +16,10 @@ process through these implementations:
 
 Per-call time is the median over --blocks timed blocks of the mean time per call in a block of
 back-to-back calls; each block ends with `jax.block_until_ready` on the outputs and the state.
-Ratios are against floor (a) for the train step and floor (b) for the no-op step. The first call
-(trace + compile) of nnx_sharding.jit and of the functional jax.jit is timed on fresh models.
+The blocks of all variants are interleaved (one of each per round), so that a change in machine
+load hits all of them alike. Ratios are against floor (a) for the train step and floor (b) for
+the no-op step. The first call (trace + compile) of nnx_sharding.jit and of the functional
+jax.jit is timed on fresh models and step functions: the median of --first-reps, alternating.
 
 Run:  python benchmarks/overhead.py [--quick] [--depths 5,20,100] [--tag gpu] [--out DIR]
   or  nox -s bench
@@ -40,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import flax
 import jax
@@ -138,6 +140,8 @@ class Bench:
 
 
 Variant = Callable[[StepSpec, MLP, nnx.Optimizer, Array, Array], Bench]
+BlockTimer = Callable[[], float]  # times one block of calls: µs per call
+T = TypeVar("T")
 JitFn = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
@@ -257,27 +261,55 @@ VARIANTS: dict[str, Variant] = {
 
 
 # ----------------------------------------------------------------------------- timing
-def per_call_us(bench: Bench, blocks: int, calls: int | None, block_s: float, warmup: int) -> float:
-    """Median over `blocks` of the mean per-call time of `calls` back-to-back calls."""
+def block_timer(bench: Bench, calls: int | None, block_s: float, warmup: int) -> BlockTimer:
+    """Warms `bench` up and returns a function timing one block: the mean per-call time (µs)
+    of `calls` back-to-back calls (as many as fit in `block_s` when None)."""
 
     def run(n: int) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
             out = bench.call()
         jax.block_until_ready((out, bench.sync()))
-        return (time.perf_counter() - t0) / n
+        return 1e6 * (time.perf_counter() - t0) / n
 
     for _ in range(warmup):
         run(1)
-    if calls is None:  # as many calls as fit in block_s, judging by a block of 5
-        calls = max(5, round(block_s / run(5)))
-    return 1e6 * statistics.median(run(calls) for _ in range(blocks))
+    n = calls or max(5, round(block_s / (run(5) / 1e6)))
+    return lambda: run(n)
 
 
-def time_variant(
-    make: Variant, spec: StepSpec, depth: int, x: Array, y: Array, **timing: Any
-) -> float:
-    return per_call_us(make(spec, *make_model(depth), x, y), **timing)
+def time_variants(
+    spec: StepSpec, depth: int, x: Array, y: Array, *, blocks: int, **timing: Any
+) -> dict[str, tuple[float | None, str | None]]:
+    """Per-call µs of every variant: the median over `blocks` rounds, each round timing one
+    block of every variant in turn, so that a change in machine load hits all alike."""
+    timers: dict[str, BlockTimer] = {}
+    results: dict[str, tuple[float | None, str | None]] = {}
+    for name, make in VARIANTS.items():
+        timer, err = attempt(
+            f"{name} ({spec.fn.__name__}, depth {depth})",
+            lambda make=make: block_timer(make(spec, *make_model(depth), x, y), **timing),
+        )
+        if timer is None:
+            results[name] = (None, err)
+        else:
+            timers[name] = timer
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(blocks):
+        for name, timer in timers.items():
+            samples[name].append(timer())
+    return results | {name: (statistics.median(us), None) for name, us in samples.items()}
+
+
+def first_calls_s(
+    makes: list[Variant], spec: StepSpec, depth: int, x: Array, y: Array, reps: int
+) -> list[float]:
+    """Per variant, the median over `reps` rounds of its `first_call_s`, alternating."""
+    times: list[list[float]] = [[] for _ in makes]
+    for _ in range(reps):
+        for make, out in zip(makes, times, strict=True):
+            out.append(first_call_s(make, spec, depth, x, y))
+    return [statistics.median(t) for t in times]
 
 
 def first_call_s(make: Variant, spec: StepSpec, depth: int, x: Array, y: Array) -> float:
@@ -290,7 +322,7 @@ def first_call_s(make: Variant, spec: StepSpec, depth: int, x: Array, y: Array) 
     return time.perf_counter() - t0
 
 
-def attempt(what: str, measure: Callable[[], float]) -> tuple[float | None, str | None]:
+def attempt(what: str, measure: Callable[[], T]) -> tuple[T | None, str | None]:
     """measure(), or (None, reason): an unfinished or incompatible variant becomes n/a."""
     try:
         return measure(), None
@@ -383,10 +415,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few short blocks, for smoke tests")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--tag", default="", help="suffix for the output files, e.g. gpu")
+    parser.add_argument("--first-reps", type=int, default=3, help="first calls timed per variant")
     args = parser.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     blocks, block_s = (min(args.blocks, 3), BLOCK_S / 10) if args.quick else (args.blocks, BLOCK_S)
     timing = dict(blocks=blocks, calls=args.calls, block_s=block_s, warmup=max(args.warmup, 3))
+    if args.quick:
+        args.first_reps = 1
     machine = machine_info()
     console.print(machine)
 
@@ -400,27 +435,22 @@ def main() -> None:
     for depth in depths:
         for name, spec in STEPS.items():
             # First calls before anything else compiles this step at this depth.
-            (ours, err), (base, base_err) = (
-                attempt(
-                    f"first call of {v} ({name}, depth {depth})",
-                    functools.partial(first_call_s, VARIANTS[v], spec, depth, x, y),
-                )
-                for v in ("nnx_sharding.jit", "functional jax.jit")
+            pair = [VARIANTS["nnx_sharding.jit"], VARIANTS["functional jax.jit"]]
+            firsts, err = attempt(
+                f"first calls ({name}, depth {depth})",
+                functools.partial(first_calls_s, pair, spec, depth, x, y, args.first_reps),
             )
+            ours, base = firsts or (None, None)
             first[name][str(depth)] = {
                 "nnx_sharding_s": ours,
                 "functional_s": base,
                 "ratio": ratio(ours, base),
-                "error": err or base_err,
+                "error": err,
             }
-            for variant, make in VARIANTS.items():
-                us, err = attempt(
-                    f"{variant} ({name}, depth {depth})",
-                    functools.partial(time_variant, make, spec, depth, x, y, **timing),
-                )
+            for variant, (us, err) in time_variants(spec, depth, x, y, **timing).items():
                 steps[name][variant][str(depth)] = {"us": us, "error": err}
                 shown = "n/a" if us is None else f"{us:,.1f} µs"
-                console.print(f"depth {depth:>4}  {name:<6} {variant:<24} {shown:>14}")
+                console.print(f"depth {depth:>4}  {name:<6} {variant:<26} {shown:>14}")
             for cell in (by_depth[str(depth)] for by_depth in steps[name].values()):
                 cell["ratio"] = ratio(cell["us"], steps[name][spec.floor][str(depth)]["us"])
 
@@ -434,7 +464,7 @@ def main() -> None:
     stem = args.out / ("overhead" + (f"-{args.tag}" if args.tag else ""))
     report = {
         "machine": machine,
-        "settings": {"depths": depths, "quick": args.quick, **timing},
+        "settings": {"depths": depths, "quick": args.quick, "first_reps": args.first_reps} | timing,
         "steps": {n: {"floor": s.floor, "variants": steps[n]} for n, s in STEPS.items()},
         "first_call": first,
     }
