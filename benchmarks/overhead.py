@@ -386,19 +386,25 @@ def plot(steps: dict[str, Any], depths: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(STEPS), figsize=(12, 5))
+    colors = dict(zip(VARIANTS, plt.colormaps["tab10"].colors, strict=False))  # same in both
+    handles: dict[str, Any] = {}
     for ax, name in zip(axes, STEPS, strict=True):
         for variant, by_depth in steps[name].items():
             points = [(d, c["us"]) for d in depths if (c := by_depth[str(d)])["us"] is not None]
             if points:
                 style = "--" if variant.startswith("floor") else "-"
-                ax.plot(*zip(*points, strict=True), style, marker="o", label=variant)
+                (line,) = ax.plot(
+                    *zip(*points, strict=True), style, marker="o", color=colors[variant]
+                )
+                handles[variant] = line
         ax.set(title=f"{name} step", xlabel="depth", ylabel="µs per call")
         ax.set(xscale="log", yscale="log")
         ax.set_xticks(depths, [str(d) for d in depths])
         ax.set_xticks([], minor=True)
         ax.grid(True, which="both", alpha=0.3)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=9)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    ordered = [v for v in VARIANTS if v in handles]
+    fig.legend([handles[v] for v in ordered], ordered, loc="lower center", ncol=5, fontsize=9)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
