@@ -52,7 +52,7 @@ class PlanState:
     def __init__(self, jitted: Callable[..., Any], waits: bool | None = None):
         self.jitted = jitted
         self.fast = True
-        self._always = waits
+        self._known = waits  # None: looked up per trace, in `_waits`
         self._waits: dict[int, tuple[OutPlan, bool]] = {}  # by id: one OutPlan per trace
 
     def note(self, out_plan: OutPlan) -> None:
@@ -68,8 +68,8 @@ class PlanState:
         so the caller's Variables keep their values. Programs without callbacks stay
         asynchronous. Looked up once per trace (``out[0]``; jax's trace cache answers).
         """
-        if self._always is not None:
-            if self._always:
+        if self._known is not None:
+            if self._known:
                 jax.block_until_ready(out[1:])
             return
         known = self._waits.get(id(out[0]))

@@ -269,9 +269,10 @@ class Compiled(_Stage):
             wrong = _differences(plan, self._plan) if plan != self._plan else []
             donated, kept = plan.partition(leaves)
             if not wrong:
+                donated_sites, kept_sites = plan.partition(sites)
                 wrong = _aval_differences(
                     [*donated, *kept],
-                    [*plan.partition(sites)[0], *plan.partition(sites)[1]],
+                    [*donated_sites, *kept_sites],
                     jax.tree_util.tree_leaves(self._jax.in_avals),
                 )
             if wrong:
