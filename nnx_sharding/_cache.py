@@ -7,9 +7,10 @@ with a `Snapshot` that proves "unchanged" at C speed: the identity of every valu
 in every mutable container (module ``__dict__``, lists, dicts, States) of the graphs.
 
 A call takes the fast path (`fast_call`) only when the trace that jax will reuse
-reported no structure change (`OutPlan.fast`). Should jax need a new trace during
-a fast call (new shapes, say), the inner function raises `NeedsTrace` before
-anything runs and the call is redone on the full protocol. `_call.CachedCall`
+reported no structure change (`OutPlan.fast`), at the jax trace level the split was
+cached at (outside any jax transform, where its Variables may be written). Should
+jax need a new trace during a fast call (new shapes, say), the inner function raises
+`NeedsTrace` before anything runs and the call is redone on the full protocol. `_call.CachedCall`
 (every transform) and `_stages.Compiled` call through here.
 """
 
@@ -21,7 +22,9 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.extend.core import get_opaque_trace_state
 
 from ._graph import (
     FAST_CALL,
@@ -110,7 +113,12 @@ def fast_call(
     entry = None if key is None else entries.get(key)
     if entry is None or not entry.state.fast or not entry.valid(roots):
         return False, None, key, roots
-    donated, kept = entry.arguments(call_leaves)
+    if trace_state() != entry.trace:  # inside an outer jax transform: flax's checks apply
+        return False, None, key, roots
+    arguments = entry.arguments(call_leaves)
+    if arguments is None:
+        return False, None, key, roots
+    donated, kept = arguments
     FAST_CALL.active = True
     try:
         out = entry.state.jitted(donated, kept)
@@ -165,11 +173,14 @@ class Entry:
         self.state = state
         self.items = items
         self.snapshot = Snapshot(tuple(roots))
+        self.trace = trace_state()  # where its Variables may be written
         self.roots = [weakref.ref(r, on_death) for r in roots]
         # Each call's flat leaves are picked, in one C-level step per jit argument, from
         # `sources`: the Variables' current values, then the call's leaves, then constants
         # (arrays that graph nodes hold outside Variables).
         self.variables = [x for x in items if isinstance(x, nnx.Variable)]
+        if any(v.ref or v.hijax for v in self.variables):  # updated in place, by jax
+            raise Uncacheable("a ref or hijax Variable")
         source_of: list[int] = []
         constants: list[Leaf] = []
         slot_source = {slot: c for c, slot in enumerate(call_slots) if slot is not None}
@@ -197,9 +208,12 @@ class Entry:
             and self.snapshot.fresh()
         )
 
-    def arguments(self, call_leaves: list[Any]) -> tuple[list[Leaf], list[Leaf]]:
-        """The jitted function's ``(donated, kept)`` for this call."""
+    def arguments(self, call_leaves: list[Any]) -> tuple[list[Leaf], list[Leaf]] | None:
+        """The jitted function's ``(donated, kept)`` for this call; None when a Variable
+        holds a numpy array (set since the last call): the full path converts it."""
         sources = [*map(_raw_value, self.variables), *call_leaves, *self.constants]
+        if np.ndarray in {*map(type, sources[: len(self.variables)])}:
+            return None
         return self.pick_donated(sources), self.pick_kept(sources)
 
     def merge(self, out_plan: OutPlan, changed: list[Leaf], out_flat: list[Leaf]) -> Any:
@@ -218,6 +232,11 @@ class Entry:
 
 
 _raw_value = nnx.Variable.get_raw_value
+
+
+def trace_state() -> Any:
+    """jax's current trace state, as flax compares it before writing a Variable."""
+    return get_opaque_trace_state(convention="nnx")
 
 
 def _picker(indices: list[int], n: int) -> Callable[[list[Leaf]], list[Leaf]]:

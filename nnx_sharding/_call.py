@@ -16,7 +16,16 @@ from flax import nnx
 from jax.core import Tracer
 
 from ._cache import CacheKey, Entry, PlanState, fast_call, remember
-from ._graph import TAG, CallPlan, CallSpec, call_flat, merge_abstract, merge_call, split_call
+from ._graph import (
+    TAG,
+    CallPlan,
+    CallSpec,
+    call_flat,
+    check_writable,
+    merge_abstract,
+    merge_call,
+    split_call,
+)
 from ._sharding import mismatched_shardings
 from ._stages import Lowered, Traced
 
@@ -55,16 +64,17 @@ class CachedCall(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         call_args = (*self._bound, *args)
-        done, result, key, roots = fast_call(self._entries, self._spec, call_args, kwargs)
-        if done:
-            return result
-        with nnx.update_context(TAG):
+        with nnx.update_context(TAG):  # it also takes the split nnx.cached_partial made
+            done, result, key, roots = fast_call(self._entries, self._spec, call_args, kwargs)
+            if done:
+                return result
             plan, leaves, sites, items = split_call(self._spec, call_args, kwargs)
             state = self._state(plan)
             out = call_flat(state.jitted, plan, leaves, sites, self.mesh)
             concrete = not any(isinstance(x, Tracer) for x in leaves)  # not inside a trace
             if concrete:
                 state.wait(out, plan.partition(leaves))
+            check_writable(self._spec.transform, items, sites)
             result = merge_call(leaves, *out)
         state.note(out[0])
         if concrete:

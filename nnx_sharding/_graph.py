@@ -26,7 +26,9 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
+import numpy as np
 from flax import nnx
+from flax.errors import TraceContextError
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh
 from jax.tree_util import DictKey, SequenceKey, keystr
@@ -174,6 +176,11 @@ def value_of(leaf: Any) -> Leaf:
     return leaf.get_raw_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
+def as_jax(value: Leaf) -> Leaf:
+    """A numpy array as a jax array (flax's calls leave no numpy value in a graph)."""
+    return jax.numpy.asarray(value) if type(value) is np.ndarray else value
+
+
 def partition_args(
     spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[list[int], tuple[Any, ...], dict[str, Any], tuple[tuple[int | str, Hashable], ...]]:
@@ -193,10 +200,15 @@ def split_call(
     object each flat leaf was read from (a Variable, or the array itself)."""
     positions, dyn_args, dyn_kwargs, statics = partition_args(spec, args, kwargs)
     for key, value in statics:
+        name = f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
+        for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_node):
+            if is_node(leaf) or isinstance(leaf, nnx.Variable):
+                raise ValueError(
+                    _errors.static_graph_node(spec.transform, name, type(leaf).__name__)
+                )
         try:
             hash(value)
         except TypeError as e:
-            name = f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
             raise ValueError(
                 _errors.bad_static(spec.transform, name, type(value).__name__, str(e))
             ) from None
@@ -233,7 +245,7 @@ def split_call(
                 sizes.append(len(flat.leaves))
                 items += flat.leaves
                 for path, item in zip(flat.paths, flat.leaves, strict=True):
-                    leaves.append(value_of(item))
+                    leaves.append(as_jax(value_of(item)))  # merge_call writes it back
                     sites.append(Site(where, tuple(path)))
                     shardings.append(table.get(id(item), (None,))[0])
                     donate.append(is_donated)
@@ -483,12 +495,31 @@ def _merge(ctx: Any, out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Seque
     return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
 
 
+def check_writable(transform: str, items: Sequence[Any], sites: Sequence[Site]) -> None:
+    """Raises flax's ``TraceContextError`` before anything is written if a Variable
+    among ``items`` cannot be written at the current trace level (our call runs inside
+    an outer ``jax.jit``/``jax.grad`` over a module it closes over).
+
+    Each Variable is written its own value: flax's own check, and otherwise a no-op.
+    """
+    wrong = []
+    for item, site in zip(items, sites, strict=True):
+        if isinstance(item, nnx.Variable):
+            try:
+                item.set_raw_value(item.get_raw_value())
+            except TraceContextError:
+                wrong.append(str(site))
+    if wrong:
+        raise TraceContextError(_errors.wrong_trace_level(transform, wrong))
+
+
 def merge_call(
     leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
 ) -> Any:
     """Step 4 (outside): write updates into the caller's objects, build the output.
 
-    ``leaves`` are the flat leaves the call was made with.
+    ``leaves`` are the flat leaves the call was made with. Every Variable of the
+    inputs is written, as flax writes them: `check_writable` first.
     """
     with nnx.merge_context(TAG, inner=False) as ctx:
         return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)

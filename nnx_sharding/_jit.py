@@ -26,7 +26,9 @@ from ._graph import (
 )
 from ._sharding import (
     ShardingLike,
+    StateSharding,
     accept_flax,
+    broadcast_prefix,
     format_path,
     incompatible_shardings,
     is_node,
@@ -44,6 +46,11 @@ def _as_tuple(x: int | str | Iterable[Any] | None) -> tuple[Any, ...]:
     if x is None:
         return ()
     return (x,) if isinstance(x, (int, str)) else tuple(x)
+
+
+def _shift(argnums: int | Sequence[int] | None) -> tuple[int, ...]:
+    """A bound method's argnums as positions of its function, ``self`` first."""
+    return tuple(n + 1 if n >= 0 else n for n in _as_tuple(argnums))
 
 
 def resolve_argnums(
@@ -128,6 +135,10 @@ class JitWrapped(CachedCall[P, R]):
     ):
         if not callable(fun):
             raise TypeError(_errors.not_callable("jit", fun))
+        owner = getattr(fun, "__self__", None) if inspect.ismethod(fun) else None
+        if owner is not None and is_node(owner):  # a bound method: its module is args[0]
+            fun = fun.__func__  # type: ignore[attr-defined]
+            static_argnums, donate_argnums = _shift(static_argnums), _shift(donate_argnums)
         argnums = dict(
             static_argnums=static_argnums,
             static_argnames=static_argnames,
@@ -146,6 +157,8 @@ class JitWrapped(CachedCall[P, R]):
             out_shardings=accept_flax(out_shardings),
         )
         super().__init__(fun, spec)
+        if owner is not None and is_node(owner):
+            self._bound = (owner,)
         self._jit_options = dict(
             keep_unused=keep_unused,
             device=device,
@@ -171,9 +184,10 @@ def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
             raise NeedsTrace
         leaves = plan.join(donated, kept)
         args, kwargs, call_leaves = merge_inputs(plan, leaves)
-        in_table = _inner_shardings(plan, call_leaves)
+        in_paths = _in_paths(plan, call_leaves)
         before = snapshots(call_leaves)
         out = fun(*args, **kwargs)
+        in_table = _inner_shardings(plan, call_leaves, in_paths)
         return _constrain(plan, leaves, in_table, split_inner(plan, call_leaves, before, out))
 
     inner.__name__ = getattr(fun, "__name__", "fun")
@@ -185,19 +199,55 @@ SiteShardings: TypeAlias = dict[int, tuple[ShardingLike, str]]
 """``id(Variable) -> (sharding, path)``."""
 
 
-def _inner_shardings(plan: CallPlan, call_leaves: Sequence[Any]) -> SiteShardings:
-    """The in_shardings of the freshly merged inner Variables."""
-    table: SiteShardings = {}
+PathShardings: TypeAlias = dict[tuple[int, tuple[Any, ...]], ShardingLike]
+"""``(argument index, Variable path) -> in_sharding``."""
+
+
+def _in_paths(plan: CallPlan, call_leaves: Sequence[Any]) -> PathShardings:
+    """The in_sharding of every Variable of the freshly merged inputs, by path."""
+    table: PathShardings = {}
     if all(s is None for s in plan.shardings):
         return table
-    runs = chunks(plan.shardings, plan.sizes)
     with nnx.split_context() as ctx:
-        for leaf, run, where in zip(call_leaves, runs, plan.wheres, strict=True):
+        for k, (leaf, run) in enumerate(
+            zip(call_leaves, chunks(plan.shardings, plan.sizes), strict=True)
+        ):
             if is_node(leaf):
-                _, flat = ctx.flatten(leaf)
-                for path, item, sharding in zip(flat.paths, flat.leaves, run, strict=True):
-                    if sharding is not None:
-                        table[id(item)] = (sharding, where + format_path(path))
+                paths = ctx.flatten(leaf)[1].paths
+                table.update(((k, tuple(p)), s) for p, s in zip(paths, run, strict=True))
+    return table
+
+
+def _inner_shardings(
+    plan: CallPlan, call_leaves: Sequence[Any], in_paths: PathShardings
+) -> SiteShardings:
+    """The in_sharding of every Variable of the inputs after the call, by path, as flax
+    pins them: a Variable the function replaced keeps its path's sharding, and a new
+    one gets its argument's in_shardings entry (the first StateSharding filter it
+    matches)."""
+    table: SiteShardings = {}
+    if not in_paths:
+        return table
+    spec = plan.spec
+    dyn_args = jax.tree_util.tree_unflatten(plan.treedef, call_leaves)[0]
+    entries = broadcast_prefix(spec.transform, spec.in_name, spec.in_shardings, dyn_args, str)
+    with nnx.split_context() as ctx:
+        for k, (leaf, where) in enumerate(zip(call_leaves, plan.wheres, strict=True)):
+            if not is_node(leaf):
+                continue
+            entry = entries[k] if k < len(entries) else None
+            flat = ctx.flatten(leaf)[1]
+            for path, item in zip(flat.paths, flat.leaves, strict=True):
+                key = (k, tuple(path))
+                if key in in_paths:
+                    sharding = in_paths[key]
+                elif isinstance(entry, StateSharding):
+                    index = entry.find(key[1], item)
+                    sharding = None if index is None else entry.shardings[index]
+                else:
+                    sharding = entry
+                if sharding is not None:
+                    table[id(item)] = (sharding, where + format_path(path))
     return table
 
 
@@ -265,6 +315,9 @@ def _constrain(
     changed = tuple(
         i for i in plan.state_indices if in_flat[i] is not in_leaves[i] or plan.donate[i]
     )
+    if not all(isinstance(split.in_items[i], nnx.Variable) for i in changed):
+        # an array attribute outside Variables was replaced: only a full merge sets it
+        return split.out_plan(None), in_flat, out_flat
     return split.out_plan(changed), [in_flat[i] for i in changed], out_flat
 
 

@@ -7,28 +7,47 @@ from itertools import chain
 from operator import is_
 from typing import Any
 
+import jax
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
 
 class Uncacheable(Exception):
-    """A graph holds a mutable container whose changes cannot be seen cheaply."""
+    """A graph holds something whose changes cannot be seen cheaply."""
 
 
 BOOKKEEPING = frozenset({"_pytree__state"})
 """Module attributes flax replaces on its own (its trace state), not structure."""
 
+_metadata = nnx.Variable.get_metadata
+
+
+def _children(tree: Any) -> tuple[Any, list[Any]]:
+    """One level of a pytree: its treedef and its children."""
+    children, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
+    return treedef, children
+
 
 class Snapshot:
-    """Identity of every value in every mutable container below ``roots``."""
+    """What a call's split depends on, below ``roots``: the identity of every value in
+    every mutable container, every Variable's metadata, and the structure of pytrees
+    that are not graph nodes (a ``register_dataclass`` instance held with ``nnx.data``).
+
+    Raises `Uncacheable` for a graph whose changes it cannot see: one that holds a
+    graph node type of its own.
+    """
 
     def __init__(self, roots: Any):
         self._dicts: list[dict[Any, Any]] = []
         self._others: list[Any] = []
+        self._pytrees: list[tuple[Any, Any, list[Any]]] = []
+        self._variables: list[nnx.Variable[Any]] = []
         for _, obj in nnx.iter_graph(roots):
-            if isinstance(obj, nnx.Variable) or not nnx_graph.is_node(obj):
-                continue
-            if isinstance(obj, nnx.Pytree):
+            if isinstance(obj, nnx.Variable):
+                self._variables.append(obj)
+            elif not nnx_graph.is_node(obj) or isinstance(obj, tuple):
+                continue  # a leaf, or an immutable container: its parent holds it
+            elif isinstance(obj, nnx.Pytree):
                 self._dicts.append(vars(obj))
             elif type(obj) is dict:
                 self._dicts.append(obj)
@@ -38,8 +57,11 @@ class Snapshot:
                 self._others.append(obj)
             elif nnx_graph.is_graph_node(obj):
                 raise Uncacheable(type(obj).__name__)
+            else:  # a pytree that is no graph node: its fields may be set in place
+                self._pytrees.append((obj, *_children(obj)))
         self._keys, self._values = self._read()
         self._skip = [i for i, key in enumerate(self._keys) if key in BOOKKEEPING]
+        self._metadata = [*map(_metadata, self._variables)]
 
     def _read(self) -> tuple[list[Any], list[Any]]:
         return self._read_keys(), [*self._iter_values()]
@@ -58,7 +80,21 @@ class Snapshot:
         return chain(values, chain.from_iterable(rest))
 
     def fresh(self) -> bool:
-        """True when no container gained, lost or replaced a value since the snapshot."""
+        """True when no container gained, lost or replaced a value, no Variable's
+        metadata changed and no pytree changed its fields since the snapshot."""
+        return self._containers_fresh() and self._leaves_fresh()
+
+    def _leaves_fresh(self) -> bool:
+        for obj, treedef, children in self._pytrees:
+            now_treedef, now = _children(obj)
+            if now_treedef != treedef or not all(map(is_, now, children)):
+                return False
+        try:  # equal metadata is the same graph definition (flax compares it so)
+            return [*map(_metadata, self._variables)] == self._metadata
+        except Exception:  # noqa: BLE001 - a value whose == is not a bool (an array)
+            return False
+
+    def _containers_fresh(self) -> bool:
         if self._read_keys() != self._keys:
             return False
         if all(map(is_, self._iter_values(), self._values)):  # streamed: no list built

@@ -25,6 +25,7 @@ from ._graph import (
     Leaf,
     Site,
     call_flat,
+    check_writable,
     chunks,
     host_callbacks,
     merge_abstract,
@@ -261,10 +262,10 @@ class Compiled(_Stage):
         """Runs the program on the same kinds of arguments as the `JitWrapped`."""
         spec = self._plan.spec
         call_args = (*self._bound, *args)
-        done, result, key, roots = fast_call(self._entries, spec, call_args, kwargs)
-        if done:
-            return result
-        with nnx.update_context(TAG):
+        with nnx.update_context(TAG):  # it also takes the split nnx.cached_partial made
+            done, result, key, roots = fast_call(self._entries, spec, call_args, kwargs)
+            if done:
+                return result
             plan, leaves, sites, items = split_call(spec, call_args, kwargs)
             wrong = _differences(plan, self._plan) if plan != self._plan else []
             donated, kept = plan.partition(leaves)
@@ -279,6 +280,7 @@ class Compiled(_Stage):
                 raise TypeError(_errors.structure_mismatch(spec.transform, wrong))
             out = call_flat(self._jax, plan, leaves, sites)
             self._state.wait(out, (donated, kept))  # a run-time error: nothing written back
+            check_writable(spec.transform, items, sites)
             result = merge_call(leaves, *out)
         self._state.note(out[0])
         remember(self._entries, key, plan, self._state, items, roots)

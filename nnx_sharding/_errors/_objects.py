@@ -1,0 +1,40 @@
+"""Messages about the caller's objects: what a transform may take and write back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._layout import format_message
+
+
+def static_graph_node(transform: str, argument: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        argument,
+        [f"a graph node ({type_name}) is a static argument"],
+        "Rule: a static argument is compiled into the program as a constant; a graph "
+        "node's Variables would be baked in, and their later updates ignored.",
+        [
+            "pass it as a dynamic argument (drop it from static_argnums/static_argnames);",
+            "to keep part of it static, pass that plain value (a flag, a config) instead.",
+        ],
+    )
+
+
+def wrong_trace_level(transform: str, wheres: Sequence[str]) -> str:
+    shown = ", ".join(wheres[:5]) + (f" and {len(wheres) - 5} more" if len(wheres) > 5 else "")
+    return format_message(
+        transform,
+        "arguments",
+        [f"Cannot mutate Variables from a different trace level: {shown}"],
+        "Rule: as in flax, the call writes its results back into its argument's Variables, "
+        "which is not possible from inside an outer jax transform (jax.jit, jax.grad, "
+        "jax.vmap) for Variables created outside it (a module the outer function closes "
+        "over). Nothing was written: your objects are as they were.",
+        [
+            "use flax's nnx.jit/nnx.grad/nnx.vmap for the outer transform and pass the "
+            "module to it as an argument;",
+            "or split the module (nnx.split) outside, pass its state to the outer function "
+            "and nnx.merge it inside.",
+        ],
+    )
