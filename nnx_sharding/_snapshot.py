@@ -11,6 +11,8 @@ import jax
 from flax import nnx
 from flax.nnx import graph as nnx_graph
 
+from . import _slots
+
 
 class Uncacheable(Exception):
     """A graph holds something whose changes cannot be seen cheaply."""
@@ -42,11 +44,13 @@ class Snapshot:
         self._others: list[Any] = []
         self._pytrees: list[tuple[Any, Any, list[Any]]] = []
         self._variables: list[nnx.Variable[Any]] = []
-        for _, obj in nnx.iter_graph(roots):
+        for path, obj in nnx.iter_graph(roots):
             if isinstance(obj, nnx.Variable):
                 self._variables.append(obj)
             elif not nnx_graph.is_node(obj) or isinstance(obj, tuple):
                 continue  # a leaf, or an immutable container: its parent holds it
+            elif path and path[-1] in BOOKKEEPING:
+                continue
             elif isinstance(obj, nnx.Pytree):
                 self._dicts.append(vars(obj))
             elif type(obj) is dict:
@@ -59,9 +63,15 @@ class Snapshot:
                 raise Uncacheable(type(obj).__name__)
             else:  # a pytree that is no graph node: its fields may be set in place
                 self._pytrees.append((obj, *_children(obj)))
+        # Each Variable's metadata: its live dict, whose contents are then checked with
+        # the containers' (`_slots`); else copies, compared by value.
+        self._direct = _slots.DIRECT
+        self._read_metadata = _slots.metadata_dict if self._direct else _metadata
+        self._metadata = [*map(self._read_metadata, self._variables)]
+        if self._direct:
+            self._dicts += self._metadata
         self._keys, self._values = self._read()
         self._skip = [i for i, key in enumerate(self._keys) if key in BOOKKEEPING]
-        self._metadata = [*map(_metadata, self._variables)]
 
     def _read(self) -> tuple[list[Any], list[Any]]:
         return self._read_keys(), [*self._iter_values()]
@@ -89,8 +99,11 @@ class Snapshot:
             now_treedef, now = _children(obj)
             if now_treedef != treedef or not all(map(is_, now, children)):
                 return False
+        metadata = [*map(self._read_metadata, self._variables)]
+        if self._direct:  # the same dicts (their contents are checked with the containers)
+            return all(map(is_, metadata, self._metadata))
         try:  # equal metadata is the same graph definition (flax compares it so)
-            return [*map(_metadata, self._variables)] == self._metadata
+            return metadata == self._metadata
         except Exception:  # noqa: BLE001 - a value whose == is not a bool (an array)
             return False
 

@@ -1,0 +1,54 @@
+"""`_slots`: the probed direct read of a Variable's metadata, and its public fallback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import nnx_sharding
+from nnx_sharding import _slots
+
+TESTS = Path(__file__).parent
+
+
+def test_the_probe_accepts_the_installed_flax():
+    assert _slots.DIRECT
+    variable = nnx.Param(jnp.ones(2), scale=1.0)
+    assert _slots.metadata_dict(variable) == variable.get_metadata()
+
+
+def test_the_probe_refuses_another_layout(monkeypatch):
+    monkeypatch.setattr(_slots, "_METADATA", "_no_such_slot")
+    assert not _slots._probe()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "public"])
+def test_a_metadata_change_is_seen_either_way(monkeypatch, direct):
+    monkeypatch.setattr(_slots, "DIRECT", direct)
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    f = nnx_sharding.jit(lambda m: m.kernel.get_metadata().get("scale", 1.0) * m.bias[...])
+    f(model)
+    assert f(model).tolist() == [0.0, 0.0]
+    model.bias[...] = jnp.ones(2)
+    model.kernel.set_metadata(scale=3.0)
+    assert f(model).tolist() == [3.0, 3.0]
+
+
+def test_the_fast_path_tests_pass_through_the_public_fallback():
+    env = {**os.environ, "NNX_SHARDING_PUBLIC_SLOTS": "1"}
+    files = ["test_cache.py", "test_snapshot.py", "test_call.py"]
+    check = "from nnx_sharding import _slots; assert not _slots.DIRECT"
+    subprocess.run([sys.executable, "-c", check], env=env, check=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+        cwd=TESTS,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
