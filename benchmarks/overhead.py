@@ -14,12 +14,14 @@ process through these implementations:
   floor (a)               jax.jit over the flat list of arrays, donated, returning all of them
   floor (b)               the same, not donated, returning only the arrays the step changes
 
-Per-call time is the median over --blocks timed blocks of the mean time per call in a block of
+Per-call time is the median over --blocks rounds of the mean time per call in a block of
 back-to-back calls; each block ends with `jax.block_until_ready` on the outputs and the state.
-The blocks of all variants are interleaved (one of each per round), so that a change in machine
-load hits all of them alike. Ratios are against floor (a) for the train step and floor (b) for
-the no-op step. The first call (trace + compile) of nnx_sharding.jit and of the functional
-jax.jit is timed on fresh models and step functions: the median of --first-reps, alternating.
+In each round every variant times one block followed at once by one block of its floor (floor
+(a) for the train step, floor (b) for the no-op step); the ratio is taken within that pair, so
+that a change in machine load hits both alike. A ratio is the median over the rounds, printed
+with its spread (min, quartiles, max). The first call (trace + compile) of nnx_sharding.jit and
+of the functional jax.jit is timed on fresh models and step functions: the median of
+--first-reps, alternating.
 
 Run:  python benchmarks/overhead.py [--quick] [--depths 5,20,100] [--tag gpu] [--out DIR]
   or  nox -s bench
@@ -278,27 +280,60 @@ def block_timer(bench: Bench, calls: int | None, block_s: float, warmup: int) ->
     return lambda: run(n)
 
 
+Timing = dict[str, Any]  # per variant: "us", "ratio", "spread" (ratios), "error"
+
+
+def spread(values: list[float]) -> list[float]:
+    """min, first quartile, median, third quartile, max."""
+    if len(values) < 2:
+        return values * 5 if values else []
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [min(values), q1, q2, q3, max(values)]
+
+
 def time_variants(
     spec: StepSpec, depth: int, x: Array, y: Array, *, blocks: int, **timing: Any
-) -> dict[str, tuple[float | None, str | None]]:
-    """Per-call µs of every variant: the median over `blocks` rounds, each round timing one
-    block of every variant in turn, so that a change in machine load hits all alike."""
+) -> dict[str, Timing]:
+    """Per-call µs of every variant and its ratio to the step's floor, from `blocks` rounds.
+
+    In each round every variant times one block, each followed at once by one block of
+    the floor: a ratio is taken within such a pair, so that a change in machine load hits
+    both of its blocks alike. A variant's ratio is the median of its per-round ratios,
+    with their spread; its µs the median of its blocks.
+    """
     timers: dict[str, BlockTimer] = {}
-    results: dict[str, tuple[float | None, str | None]] = {}
+    results: dict[str, Timing] = {}
     for name, make in VARIANTS.items():
         timer, err = attempt(
             f"{name} ({spec.fn.__name__}, depth {depth})",
             lambda make=make: block_timer(make(spec, *make_model(depth), x, y), **timing),
         )
         if timer is None:
-            results[name] = (None, err)
+            results[name] = {"us": None, "ratio": None, "spread": [], "error": err}
         else:
             timers[name] = timer
+    floor = timers.get(spec.floor)
     samples: dict[str, list[float]] = {name: [] for name in timers}
+    ratios: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(blocks):
         for name, timer in timers.items():
-            samples[name].append(timer())
-    return results | {name: (statistics.median(us), None) for name, us in samples.items()}
+            if name == spec.floor:
+                continue
+            us = timer()
+            samples[name].append(us)
+            if floor is not None:
+                floor_us = floor()
+                samples[spec.floor].append(floor_us)
+                ratios[name].append(us / floor_us)
+    for name, us in samples.items():
+        ratio_spread = [1.0] * 5 if name == spec.floor else spread(ratios[name])
+        results[name] = {
+            "us": statistics.median(us) if us else None,
+            "ratio": ratio_spread[2] if ratio_spread else None,
+            "spread": ratio_spread,
+            "error": None,
+        }
+    return results
 
 
 def first_calls_s(
@@ -360,7 +395,10 @@ def show(value: float | None, spec: str, unit: str = "") -> str:
 
 def per_call_cell(c: dict[str, Any]) -> str:
     us = show(c["us"], ",.0f" if (c["us"] or 0) >= 100 else ".1f", " µs")
-    return f"{us} ({show(c['ratio'], '.1f', '×')})"
+    if not c["spread"] or c["ratio"] == 1.0:
+        return f"{us} ({show(c['ratio'], '.2f', '×')})"
+    low, q1, _, q3, high = c["spread"]
+    return f"{us} ({c['ratio']:.2f}×, IQR {q1:.2f}–{q3:.2f}, {low:.2f}–{high:.2f})"
 
 
 def first_call_cell(c: dict[str, Any]) -> str:
@@ -415,7 +453,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--depths", default="5,20,100", help="comma-separated MLP depths")
-    parser.add_argument("--blocks", type=int, default=7, help="timed blocks per measurement")
+    parser.add_argument("--blocks", type=int, default=11, help="paired rounds per measurement")
     parser.add_argument("--calls", type=int, default=None, help="calls per block (default: ~0.2 s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (>= 3)")
     parser.add_argument("--quick", action="store_true", help="few short blocks, for smoke tests")
@@ -453,12 +491,14 @@ def main() -> None:
                 "ratio": ratio(ours, base),
                 "error": err,
             }
-            for variant, (us, err) in time_variants(spec, depth, x, y, **timing).items():
-                steps[name][variant][str(depth)] = {"us": us, "error": err}
-                shown = "n/a" if us is None else f"{us:,.1f} µs"
-                console.print(f"depth {depth:>4}  {name:<6} {variant:<26} {shown:>14}")
-            for cell in (by_depth[str(depth)] for by_depth in steps[name].values()):
-                cell["ratio"] = ratio(cell["us"], steps[name][spec.floor][str(depth)]["us"])
+            for variant, cell in time_variants(spec, depth, x, y, **timing).items():
+                steps[name][variant][str(depth)] = cell
+                shown = "n/a" if cell["us"] is None else f"{cell['us']:,.1f} µs"
+                quartiles = " ".join(f"{r:.2f}" for r in cell["spread"])
+                console.print(
+                    f"depth {depth:>4}  {name:<6} {variant:<26} {shown:>14}  "
+                    f"ratio {show(cell['ratio'], '.2f', '×')} [{quartiles}]"
+                )
 
     for name, spec in STEPS.items():
         title = f"{name} step: time per call (ratio × {spec.floor})"
