@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.extend.core import get_opaque_trace_state
 
+from . import _slots
 from ._graph import (
     FAST_CALL,
     CallPlan,
@@ -199,6 +200,7 @@ class Entry:
         self.pick_donated, self.pick_kept = (
             _picker(idx, n_sources) for idx in plan.partition(source_of)
         )
+        self._read = _slots.value_reader()
         self._setters: tuple[OutPlan | None, list[Callable[[Leaf], None]]] = (None, [])
 
     def valid(self, roots: list[Any]) -> bool:
@@ -211,7 +213,7 @@ class Entry:
     def arguments(self, call_leaves: list[Any]) -> tuple[list[Leaf], list[Leaf]] | None:
         """The jitted function's ``(donated, kept)`` for this call; None when a Variable
         holds a numpy array (set since the last call): the full path converts it."""
-        sources = [*map(_raw_value, self.variables), *call_leaves, *self.constants]
+        sources = [*map(self._read, self.variables), *call_leaves, *self.constants]
         if np.ndarray in {*map(type, sources[: len(self.variables)])}:
             return None
         return self.pick_donated(sources), self.pick_kept(sources)
@@ -220,7 +222,7 @@ class Entry:
         """Writes the changed Variables back and builds the output."""
         assert out_plan.in_changed is not None and out_plan.out_sources is not None
         if self._setters[0] is not out_plan:  # one OutPlan object per trace
-            self._setters = (out_plan, [self.items[i].set_raw_value for i in out_plan.in_changed])
+            self._setters = (out_plan, [_slots.setter(self.items[i]) for i in out_plan.in_changed])
         for set_value, value in zip(self._setters[1], changed, strict=True):
             set_value(value)
         outputs = iter(out_flat)
@@ -229,9 +231,6 @@ class Entry:
             next(outputs) if source is None else roots[source] for source in out_plan.out_sources
         ]
         return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
-
-
-_raw_value = nnx.Variable.get_raw_value
 
 
 def trace_state() -> Any:

@@ -1,48 +1,91 @@
-"""Direct reads of a Variable's metadata slot: the one place that touches flax internals.
+"""Direct access to a Variable's slots: the one place that touches flax internals.
 
-Why: the fast path (`_snapshot`) must prove on every call that no Variable's metadata
-changed, since flax makes metadata part of the graph definition (a change retraces).
-flax's public ``Variable.get_metadata()`` returns a copy, 0.44 µs a Variable: 260 µs a
-call for the 602 Variables of a depth-100 MLP, more than jax's own dispatch. Holding
-each Variable's metadata dict itself lets the snapshot check it like a module's
-``__dict__``: the same dict object, with the same keys and values (about 0.1 µs).
+Why: on the fast path (`_snapshot`, `_cache`) every call reads every Variable's metadata
+and value, and writes the values the program changed. flax's public methods cost more
+than jax's own dispatch for a large model: ``get_metadata()`` copies the dict (0.44 µs a
+Variable: 260 µs a call for the 602 Variables of a depth-100 MLP), and ``set_raw_value``
+checks the trace level on every write (2.3 µs a Variable: 1.4 ms a train step). Here
+the snapshot holds each Variable's metadata dict itself and checks it like a module's
+``__dict__``, values are read and written through the slot, and flax's trace-level
+guarantee is kept by one check per call (`_cache.fast_call` compares jax's trace state
+with the one the split was cached at, where the full path's writes were allowed).
 
-The layout is probed once, at import (`_probe`): the slot holds a plain dict that
-``get_metadata`` copies, and ``set_metadata`` updates in place (by name) or replaces
-(by dict). If the probe fails, or ``NNX_SHARDING_PUBLIC_SLOTS=1`` is set, `DIRECT` is
-False and callers use the public methods: everything works, only slower.
+The layout is probed once, at import (`_probe`): the metadata slot holds a plain dict
+that ``get_metadata`` copies and ``set_metadata`` updates in place (by name) or replaces
+(by dict); a write through the value slot is what ``get_raw_value`` reads back, and
+``set_raw_value`` changes nothing else. If the probe fails, or ``NNX_SHARDING_PUBLIC_SLOTS=1``
+is set, `DIRECT` is False and the public methods are used: everything works, only slower.
+Variables that are ``ref``/``hijax`` (never cached), that override ``set_raw_value`` or
+that carry value hooks are always written through ``set_raw_value`` (`setter`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from operator import attrgetter
+from collections.abc import Callable
+from operator import attrgetter, is_
 from typing import Any
 
 from flax import nnx
 
 _METADATA = "_var_metadata"
+_VALUE = "_raw_value"
+_HOOKS = ("on_set_value", "on_get_value")
+
+
+def _slot(variable: nnx.Variable[Any], name: str) -> Any:
+    return object.__getattribute__(variable, name)
 
 
 def _probe() -> bool:
-    """Whether flax's Variable keeps its metadata as this module expects."""
+    """Whether flax's Variable keeps its metadata and value as this module expects."""
     try:
         variable = nnx.Variable(0.0)
-        slot = object.__getattribute__(variable, _METADATA)
-        if type(slot) is not dict or slot != variable.get_metadata():
+        metadata = _slot(variable, _METADATA)
+        if type(metadata) is not dict or metadata != variable.get_metadata():
             return False
         variable.set_metadata("probe", 1)  # by name: in place
-        if object.__getattribute__(variable, _METADATA) is not slot or slot.get("probe") != 1:
+        if _slot(variable, _METADATA) is not metadata or metadata.get("probe") != 1:
             return False
         variable.set_metadata({"probe": 2})  # a whole dict: a new one
-        slot = object.__getattribute__(variable, _METADATA)
-        return type(slot) is dict and slot == variable.get_metadata() and slot["probe"] == 2
+        metadata = _slot(variable, _METADATA)
+        if type(metadata) is not dict or metadata != variable.get_metadata():
+            return False
+        marker, other = object(), object()
+        object.__setattr__(variable, _VALUE, marker)
+        if variable.get_raw_value() is not marker:
+            return False
+        names = [n for n in nnx.Variable.__slots__ if n != _VALUE]
+        before = [_slot(variable, n) for n in names]
+        variable.set_raw_value(other)
+        after = [_slot(variable, n) for n in names]
+        return _slot(variable, _VALUE) is other and all(map(is_, before, after))
     except Exception:  # noqa: BLE001 - any other layout: use the public methods
         return False
 
 
 DIRECT: bool = os.environ.get("NNX_SHARDING_PUBLIC_SLOTS") != "1" and _probe()
-"""Whether `metadata_dict` may be used; read when a snapshot is taken."""
+"""Whether the slots may be used; read when a snapshot or cache entry is made."""
 
-metadata_dict: Any = attrgetter(_METADATA)
+metadata_dict: Callable[[nnx.Variable[Any]], dict[str, Any]] = attrgetter(_METADATA)
 """``variable -> its metadata dict`` (the live one: never write to it); only if `DIRECT`."""
+
+
+def value_reader() -> Callable[[nnx.Variable[Any]], Any]:
+    """``variable -> its raw value``: the slot if `DIRECT`, else ``get_raw_value``."""
+    return attrgetter(_VALUE) if DIRECT else nnx.Variable.get_raw_value
+
+
+def setter(variable: nnx.Variable[Any]) -> Callable[[Any], None]:
+    """``value -> None`` writing ``variable``'s raw value: through the slot if `DIRECT`
+    and the Variable is a plain one, else through ``set_raw_value`` (which checks)."""
+    plain = (
+        type(variable).set_raw_value is nnx.Variable.set_raw_value
+        and not any(hook in metadata_dict(variable) for hook in _HOOKS)
+        and not variable.ref
+        and not variable.hijax
+    )
+    if DIRECT and plain:
+        return functools.partial(object.__setattr__, variable, _VALUE)
+    return variable.set_raw_value

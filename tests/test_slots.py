@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -52,3 +53,34 @@ def test_the_fast_path_tests_pass_through_the_public_fallback():
     )
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+WRITES: list[object] = []
+
+
+class Recorded(nnx.Param):
+    """Records every write made outside a trace: the write-backs of a call."""
+
+    def set_raw_value(self, value, **kwargs):
+        if not isinstance(value, jax.core.Tracer):
+            WRITES.append(value)
+        super().set_raw_value(value, **kwargs)
+
+
+def test_writes_go_through_the_slot_only_for_plain_variables():
+    assert not hasattr(_slots.setter(nnx.Param(jnp.ones(2))), "__self__")  # the slot
+    for special in (Recorded(jnp.ones(2)), nnx.Param(jnp.ones(2), ref=True)):
+        assert _slots.setter(special) == special.set_raw_value
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "public"])
+def test_an_overridden_set_raw_value_is_called_on_the_fast_path(monkeypatch, direct):
+    monkeypatch.setattr(_slots, "DIRECT", direct)
+    module = nnx.Module()
+    module.w = Recorded(jnp.zeros(2))
+    bump = nnx_sharding.jit(lambda m: m.w.set_raw_value(m.w.get_raw_value() + 1.0))
+    WRITES.clear()
+    for _ in range(4):
+        bump(module)
+    assert module.w[...].tolist() == [4.0, 4.0]
+    assert [w.tolist() for w in WRITES][-3:] == [[2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]
