@@ -1,10 +1,16 @@
-"""`StateSharding` and the resolution of sharding prefixes down to single Variables."""
+"""The resolution of sharding prefixes down to single Variables.
+
+A prefix (``in_shardings``, ``out_specs``, ...) is checked and made hashable when the
+transform is created (`prefixes`), then broadcast over each call's arguments or output
+(`broadcast_prefix`) and resolved per Variable (`variable_shardings`).
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from typing import Any
 
 import jax
 import numpy as np
@@ -12,15 +18,17 @@ from flax import nnx
 from flax.nnx import graph as nnx_graph
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.tree_util import SequenceKey, keystr
 
 from . import _errors
-
-ShardingLike: TypeAlias = Sharding | PartitionSpec | None
-"""What may stand for one array: a sharding, a spec (needs a mesh in context), or None."""
-Filter: TypeAlias = Any
-"""An nnx filter: a Variable type, a tag string, a predicate ``(path, value) -> bool``, ..."""
-Path: TypeAlias = tuple[Any, ...]
-"""An nnx path: the attribute names and indices from a graph node down to a Variable."""
+from ._state_sharding import AtPath as AtPath
+from ._state_sharding import Filter as Filter
+from ._state_sharding import Path as Path
+from ._state_sharding import ShardingLike as ShardingLike
+from ._state_sharding import StateSharding as StateSharding
+from ._state_sharding import format_path as format_path
+from ._state_sharding import from_flax as from_flax
+from ._state_sharding import is_sharding_like
 
 _NOT_NODES: set[type] = {tuple, list, dict, int, float, bool, complex, str, bytes, type(None)}
 """Types whose instances are never graph nodes; concrete array types join on first sight."""
@@ -42,213 +50,154 @@ def is_node(x: Any) -> bool:
     return False
 
 
-@dataclasses.dataclass(frozen=True)
-class AtPath:
-    """Filter matching exactly one path; what an ``nnx.State`` spec is turned into."""
-
-    path: Path
-
-    def __call__(self, path: Path, value: Any) -> bool:
-        return tuple(path) == self.path
-
-    def __repr__(self) -> str:
-        return f"AtPath({format_path(self.path) or '<root>'})"
+def is_prefix_leaf(x: Any) -> bool:
+    return is_sharding_like(x) or isinstance(x, StateSharding) or is_node(x)
 
 
-def _is_sharding_like(x: Any) -> bool:
-    return x is None or isinstance(x, (Sharding, PartitionSpec))
+@functools.cache
+def _tree_state_type() -> type:
+    """The type of what ``nnx.prefix`` returns for a graph node (flax's ``TreeState``),
+    found through that public function."""
+    return type(nnx.prefix(nnx.Dict(), {...: None}, graph=True))
 
 
-def _normalise_filter(f: Filter) -> Filter:
-    # nnx reads a list filter as "any of"; a tuple means the same and is hashable.
-    return tuple(_normalise_filter(x) for x in f) if isinstance(f, list) else f
+def _is_tree_state(x: Any) -> bool:
+    return isinstance(x, _tree_state_type())
 
 
-def _state_items(state: Mapping[Any, Any], prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
-    for key, value in state.items():
-        if isinstance(value, nnx.Variable):
-            yield (*prefix, key), value.get_raw_value()
-        elif isinstance(value, Mapping):
-            yield from _state_items(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
-
-
-class StateSharding:
-    """Maps nnx filters to shardings; accepted wherever a sharding or spec is.
-
-    ``spec`` is a mapping or an iterable of ``(filter, value)`` pairs, or an
-    ``nnx.State`` whose leaves are the values (matched by exact path). A value is a
-    ``jax.sharding.Sharding``, a ``PartitionSpec`` or None (let jax choose). The
-    first matching filter wins; a Variable no filter matches is an error.
-
-    >>> from flax import nnx
-    >>> from jax.sharding import PartitionSpec as P
-    >>> s = StateSharding({nnx.Param: P(None, 'model'), ...: None})
-    >>> s
-    StateSharding({Param: P(None, 'model'), Ellipsis: None})
-    >>> s.sharding_for(('linear', 'kernel'), nnx.Param(1.0))
-    P(None, 'model')
-    """
-
-    __slots__ = ("filters", "shardings", "_predicates")
-
-    filters: tuple[Filter, ...]
-    shardings: tuple[ShardingLike, ...]
-
-    def __init__(
-        self,
-        spec: Mapping[Filter, ShardingLike]
-        | Iterable[tuple[Filter, ShardingLike]]
-        | nnx.State[Any, Any],
-    ):
-        if isinstance(spec, nnx.State):
-            pairs = [(AtPath(tuple(p)), v) for p, v in _state_items(spec)]
-        elif isinstance(spec, Mapping):
-            pairs = list(spec.items())
-        else:
-            pairs = _pairs(spec)
-        for f, value in pairs:
-            if not _is_sharding_like(value):
-                raise TypeError(_errors.spec_value_not_a_sharding(f, type(value).__name__))
-        self.filters = tuple(_normalise_filter(f) for f, _ in pairs)
-        self.shardings = tuple(v for _, v in pairs)
-        self._predicates = tuple(_predicate(f) for f in self.filters)
-
-    def sharding_for(self, path: Path, value: Any) -> ShardingLike:
-        """The sharding of the Variable ``value`` found at ``path`` (first match wins)."""
-        return self.shardings[self.index_for(path, value)]
-
-    def index_for(
-        self,
-        path: Path,
-        value: Any,
-        *,
-        transform: str = "StateSharding",
-        argument: str = "spec",
-        where: str = "",
-    ) -> int:
-        """The index of the first filter that matches the Variable ``value`` at ``path``.
-
-        ``transform``, ``argument`` and ``where`` (the path of the node, ``output[0]``)
-        say in the error for a Variable no filter matches where it was looked up.
-        """
-        index = self.find(path, value)
-        if index is not None:
-            return index
-        raise ValueError(
-            _errors.no_filter_matched(
-                f"{where}{format_path(path)}" or "<root>",
-                type(value).__name__,
-                self.filters,
-                transform,
-                argument,
-            )
-        )
-
-    def find(self, path: Path, value: Any) -> int | None:
-        """Like `index_for`, but None where no filter matches."""
-        for i, predicate in enumerate(self._predicates):
-            if predicate(path, value):
-                return i
-        return None
-
-    @classmethod
-    def from_metadata(
-        cls, tree: Any, rules: Sequence[tuple[str, str | tuple[str, ...] | None]] | None = None
-    ) -> StateSharding:
-        """Shardings from Variable metadata, logical names mapped by ``rules`` (see `shard`).
-
-        >>> from flax import nnx
-        >>> init = nnx.with_partitioning(nnx.initializers.ones, ('embed', 'mlp'))
-        >>> with nnx.use_eager_sharding(False):
-        ...     model = nnx.Linear(2, 4, kernel_init=init, rngs=nnx.Rngs(0))
-        >>> StateSharding.from_metadata(model, rules=[('embed', None), ('mlp', 'model')])
-        StateSharding({AtPath(.bias): P(), AtPath(.kernel): P(None, 'model')})
-        """
-        from ._metadata import from_metadata
-
-        return from_metadata(tree, rules)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, StateSharding)
-            and self.filters == other.filters
-            and self.shardings == other.shardings
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.filters, self.shardings))
-
-    def __repr__(self) -> str:
-        items = ", ".join(
-            f"{_filter_repr(f)}: {s!r}" for f, s in zip(self.filters, self.shardings, strict=True)
-        )
-        return f"StateSharding({{{items}}})"
-
-
-def from_flax(sharding: nnx.StateSharding) -> StateSharding:
-    """flax's own ``nnx.StateSharding`` as a `StateSharding`: the same filters and
-    shardings, in the same order (only its public ``filters``/``shardings`` are read).
-
-    Each value is then checked as ours are: a Sharding, a PartitionSpec or None.
-
-    >>> from flax import nnx
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from_flax(nnx.StateSharding({nnx.Param: P(None, 'model'), ...: None}))
-    StateSharding({Param: P(None, 'model'), Ellipsis: None})
-    """
-    return StateSharding(zip(sharding.filters, sharding.shardings, strict=True))
-
-
-def _is_prefix_or_flax_leaf(x: Any) -> bool:
-    return isinstance(x, nnx.StateSharding) or is_prefix_leaf(x)
+def _is_given_leaf(x: Any) -> bool:
+    """A leaf of a prefix as given: ours, flax's ``nnx.StateSharding``, ``nnx.prefix``'s."""
+    return is_prefix_leaf(x) or isinstance(x, nnx.StateSharding) or _is_tree_state(x)
 
 
 def accept_flax(prefix: Any) -> Any:
     """``prefix`` (in_shardings, out_specs, ...) with each flax ``nnx.StateSharding``
-    in it replaced by ours (`from_flax`); ``prefix`` itself when it holds none."""
-    leaves = jax.tree_util.tree_leaves(prefix, is_leaf=_is_prefix_or_flax_leaf)
-    if not any(isinstance(x, nnx.StateSharding) for x in leaves):
+    in it replaced by ours (`from_flax`), and each tree ``nnx.prefix`` made of a graph
+    node by a `StateSharding` of its ``nnx.State`` (exact paths); ``prefix`` itself
+    when it holds neither."""
+    leaves = jax.tree_util.tree_leaves(prefix, is_leaf=_is_given_leaf)
+    if not any(isinstance(x, nnx.StateSharding) or _is_tree_state(x) for x in leaves):
         return prefix
-    return jax.tree.map(
-        lambda x: from_flax(x) if isinstance(x, nnx.StateSharding) else x,
-        prefix,
-        is_leaf=_is_prefix_or_flax_leaf,
-    )
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, nnx.StateSharding):
+            return from_flax(x)
+        return StateSharding(x.state) if _is_tree_state(x) else x
+
+    return jax.tree.map(convert, prefix, is_leaf=_is_given_leaf)
 
 
-def _pairs(spec: Any) -> list[tuple[Filter, Any]]:
-    """An iterable of ``(filter, sharding)`` pairs as a list, its form checked."""
-    if isinstance(spec, (str, bytes)) or not isinstance(spec, Iterable):
-        raise TypeError(_errors.spec_not_pairs(type(spec).__name__))
-    pairs = []
-    for entry in spec:
-        pair = tuple(entry) if isinstance(entry, Iterable) and not isinstance(entry, str) else ()
-        if len(pair) != 2:
-            raise TypeError(_errors.spec_entry_not_a_pair(entry))
-        pairs.append(pair)
-    return pairs
+class Prefix:
+    """A prefix as given to a transform, in a hashable wrapper (it is part of the
+    `CallSpec`, so of every plan's key): equal when of the same structure with equal
+    entries, or, where an entry cannot be hashed, only to itself.
+
+    ``has_states``: whether an ``nnx.State`` is among its subtrees (see `broadcast_prefix`).
+    """
+
+    __slots__ = ("tree", "has_states", "_key", "_hash")
+
+    def __init__(self, tree: Any):
+        self.tree = tree
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_prefix_leaf)
+        self._key = (treedef, tuple(leaves))
+        try:
+            self._hash: int | None = hash(self._key)
+        except TypeError:
+            self._hash = None
+        with_states = jax.tree_util.tree_leaves(tree, is_leaf=_is_prefix_or_state)
+        self.has_states = any(isinstance(x, nnx.State) for x in with_states)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Prefix):
+            return NotImplemented
+        if self._hash is None or other._hash is None:
+            return self is other
+        return self._hash == other._hash and self._key == other._key
+
+    def __hash__(self) -> int:
+        return id(self) if self._hash is None else self._hash
+
+    def __repr__(self) -> str:
+        return f"Prefix({self.tree!r})"
 
 
-def _predicate(f: Filter) -> Callable[[Path, Any], bool]:
+def _is_prefix_or_state(x: Any) -> bool:
+    return is_prefix_leaf(x) or isinstance(x, nnx.State)
+
+
+def prefixes(
+    transform: str,
+    in_prefix: Any,
+    out_prefix: Any,
+    static_argnums: Set[int] = frozenset(),
+    names: tuple[str, str] = ("in_shardings", "out_shardings"),
+) -> tuple[Prefix | None, Prefix | None]:
+    """A transform's two prefixes, checked and made hashable when it is created.
+
+    flax's StateShardings and ``nnx.prefix`` trees are converted (`accept_flax`); a
+    graph node in a prefix is an error now rather than at the first call.
+    ``static_argnums``: the positions the input prefix skips, for naming arguments.
+    A list at the top of the input prefix reads as a tuple, as in ``jax.jit``.
+    """
+    out: list[Prefix | None] = []
+    for name, prefix in zip(names, (in_prefix, out_prefix), strict=True):
+        if prefix is None or isinstance(prefix, Prefix):
+            out.append(prefix)
+            continue
+        if name == names[0] and type(prefix) is list:
+            prefix = tuple(prefix)
+        prefix = accept_flax(prefix)
+        for keypath, leaf in jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_prefix_leaf)[
+            0
+        ]:
+            if is_node(leaf):
+                where = (
+                    _argument_at(keypath, static_argnums)
+                    if name == names[0]
+                    else f"output{keystr(keypath)}"
+                )
+                raise ValueError(_errors.node_in_prefix(transform, name, where, leaf))
+        out.append(Prefix(prefix))
+    return out[0], out[1]
+
+
+def _argument_at(keypath: tuple[Any, ...], static_argnums: Set[int]) -> str:
+    """A key path of an input prefix as the argument it stands for: ``args[2].x``."""
+    if not keypath:
+        return "args"
+    head, rest = keypath[0], keypath[1:]
+    if not isinstance(head, SequenceKey):
+        return f"args{keystr(keypath)}"
+    dynamic = (i for i in itertools.count() if i not in static_argnums)
+    return f"args[{next(itertools.islice(dynamic, head.idx, None))}]{keystr(rest)}"
+
+
+class FromState(StateSharding):
+    """A `StateSharding` read off ``state``, an ``nnx.State`` that stands above a graph
+    node in a prefix (by exact paths); `shard_map` lays such a node's outputs out as
+    that State, which is what its out_specs give jax there."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: nnx.State[Any, Any]):
+        super().__init__(state)
+        self.state = state
+
+
+def _states_at_nodes(prefix: Any, tree: Any) -> Any:
+    """``prefix`` with each ``nnx.State`` above a graph node of ``tree`` as a `FromState`
+    (above anything else, a State is a pytree like any other)."""
+
+    def convert(entry: Any, subtree: Any) -> Any:
+        if isinstance(entry, nnx.State) and is_node(subtree):
+            return FromState(entry)
+        return entry
+
     try:
-        return nnx.filterlib.to_predicate(f)
-    except Exception as e:  # noqa: BLE001 - flax raises several types (or fails formatting)
-        raise TypeError(_errors.bad_filter(f, e)) from None
-
-
-def _filter_repr(f: Filter) -> str:
-    return f.__name__ if isinstance(f, type) else repr(f)
-
-
-def format_path(path: Path) -> str:
-    """``('layers', 0, 'kernel')`` -> ``.layers[0].kernel`` (the keystr style)."""
-    return "".join(f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in path)
-
-
-def is_prefix_leaf(x: Any) -> bool:
-    return _is_sharding_like(x) or isinstance(x, StateSharding) or is_node(x)
+        return jax.tree.map(convert, prefix, tree, is_leaf=_is_prefix_or_state)
+    except ValueError:
+        return prefix  # not a prefix of the tree: `broadcast_prefix` says where
 
 
 def broadcast_prefix(
@@ -256,22 +205,21 @@ def broadcast_prefix(
 ) -> list[Any]:
     """For each leaf of ``tree`` (graph nodes are leaves), the prefix entry above it.
 
-    ``where(keypath)`` renders a key path of ``prefix`` for messages.
+    ``prefix`` is a `Prefix` or a prefix as given; ``where(keypath)`` renders a key
+    path of ``prefix`` for messages.
     """
+    if isinstance(prefix, Prefix):
+        prefix, has_states = prefix.tree, prefix.has_states
+    else:
+        has_states = True
+    if has_states:
+        prefix = _states_at_nodes(prefix, tree)
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_prefix_leaf)[0]:
         if is_node(leaf):
-            raise ValueError(
-                _errors.node_in_prefix(transform, argument, where(keypath), type(leaf).__name__)
-            )
+            raise ValueError(_errors.node_in_prefix(transform, argument, where(keypath), leaf))
         if not is_prefix_leaf(leaf):
             raise TypeError(
-                _errors.format_message(
-                    transform,
-                    argument,
-                    [f"found a {type(leaf).__name__} at {where(keypath)}"],
-                    "Rule: each entry is a Sharding, a PartitionSpec, a StateSharding or None.",
-                    ["wrap mesh axis names in PartitionSpec, e.g. P('data')."],
-                )
+                _errors.bad_prefix_entry(transform, argument, where(keypath), type(leaf).__name__)
             )
     out: list[Any] = []
 

@@ -19,6 +19,7 @@ from flax import nnx
 
 from . import _errors
 from ._cache import CacheKey, Entry, PlanState, fast_call, remember
+from ._changes import compiled_differences
 from ._graph import (
     TAG,
     CallPlan,
@@ -31,6 +32,7 @@ from ._graph import (
     merge_abstract,
     merge_call,
     split_call,
+    unflatten_all,
 )
 from ._types import PyTreeDef
 
@@ -38,7 +40,50 @@ if TYPE_CHECKING:
     from jax.extend.core import ClosedJaxpr
 
 
-def _differences(plan: CallPlan, expected: CallPlan) -> list[str]:
+def _abstract_nodes(plan: CallPlan, leaves: Sequence[Any]) -> list[Any]:
+    """The call's graph nodes rebuilt from ``plan`` with abstract leaves (None for arrays)."""
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]
+    with nnx.merge_context() as ctx:
+        nodes = unflatten_all(ctx, plan.graphdefs, leaves, plan.sizes)
+    return [n if g is not None else None for n, g in zip(nodes, plan.graphdefs, strict=True)]
+
+
+def _node_differences(
+    plan: CallPlan, expected: CallPlan, leaves: Sequence[Any], expected_leaves: Sequence[Any]
+) -> list[str]:
+    """How each graph node argument differs from the one compiled for, attribute by
+    attribute (`_changes.compiled_differences`)."""
+    try:
+        called = _abstract_nodes(plan, leaves)
+        compiled = dict(
+            zip(expected.wheres, _abstract_nodes(expected, expected_leaves), strict=True)
+        )
+    except Exception:  # noqa: BLE001 - cannot rebuild them: say only where
+        called, compiled = [None] * len(plan.wheres), {}
+    found = []
+    for where, a, b, node in zip(
+        plan.wheres, plan.graphdefs, expected.graphdefs, called, strict=False
+    ):
+        if a == b:
+            continue
+        other = compiled.get(where)
+        details = (
+            compiled_differences(where, other, node)
+            if node is not None and other is not None
+            else []
+        )
+        found.append(
+            f"the graph node at {where} has another structure"
+            + (": " + "; ".join(details) if details else "")
+        )
+    return found
+
+
+def _differences(
+    plan: CallPlan, expected: CallPlan, leaves: Sequence[Any], expected_leaves: Sequence[Any]
+) -> list[str]:
+    """What makes a call's plan differ from the one compiled for; ``leaves`` and
+    ``expected_leaves``: the flat leaves of each (concrete or abstract)."""
     found = []
     if plan.treedef != expected.treedef:
         missing = [w for w in expected.wheres if w not in plan.wheres]
@@ -47,9 +92,7 @@ def _differences(plan: CallPlan, expected: CallPlan) -> list[str]:
             found.append(_errors.argument_structure(missing, extra))
         else:  # the same positions, other containers (a list for a tuple, say)
             found.append(f"argument structure {plan.treedef} differs from {expected.treedef}")
-    for i, (a, b) in enumerate(zip(plan.graphdefs, expected.graphdefs, strict=False)):
-        if a != b:
-            found.append(f"the graph node at {plan.wheres[i]} has another structure")
+    found += _node_differences(plan, expected, leaves, expected_leaves)
     if plan.statics != expected.statics:
         found.append(f"static arguments {plan.statics!r} differ from {expected.statics!r}")
     if not found and (plan.shardings != expected.shardings or plan.donate != expected.donate):
@@ -116,8 +159,9 @@ class _Stage:
 
     @property
     def out_tree(self) -> PyTreeDef:
-        """See `jax.stages.Lowered.out_tree`."""
-        return self._jax.out_tree
+        """See `jax.stages.Lowered.out_tree`: the structure of the function's output,
+        graph nodes included, as `out_info` gives it."""
+        return jax.tree.structure(self.out_info)
 
     @property
     def donate_argnums(self) -> tuple[int, ...]:
@@ -267,17 +311,23 @@ class Compiled(_Stage):
             if done:
                 return result
             plan, leaves, sites, items = split_call(spec, call_args, kwargs)
-            wrong = _differences(plan, self._plan) if plan != self._plan else []
+            avals = jax.tree_util.tree_leaves(self._jax.in_avals)
+            wrong = []
+            if plan != self._plan:
+                n_donated = sum(self._plan.donate)
+                compiled_leaves = self._plan.join(avals[:n_donated], avals[n_donated:])
+                wrong = _differences(plan, self._plan, leaves, compiled_leaves)
             donated, kept = plan.partition(leaves)
+            types = not wrong
             if not wrong:
                 donated_sites, kept_sites = plan.partition(sites)
                 wrong = _aval_differences(
                     [*donated, *kept],
                     [*donated_sites, *kept_sites],
-                    jax.tree_util.tree_leaves(self._jax.in_avals),
+                    avals,
                 )
             if wrong:
-                raise TypeError(_errors.structure_mismatch(spec.transform, wrong))
+                raise TypeError(_errors.structure_mismatch(spec.transform, wrong, types))
             out = call_flat(self._jax, plan, leaves, sites)
             self._state.wait(out, (donated, kept))  # a run-time error: nothing written back
             check_writable(spec.transform, items, sites)

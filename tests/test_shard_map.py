@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_sharding as ns
@@ -282,3 +282,212 @@ def test_explicit_axes_reshard_to_given_in_specs():
     model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))  # not sharded yet
     f = ns.shard_map(lambda m, x: m(x), mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
     np.testing.assert_allclose(f(model, X), model(X), rtol=1e-6)
+
+
+# --- inputs placed, specs as written, prefix forms, messages (issue items 1-6) -----------
+
+LINEAR_SPECS = {("kernel",): P(None, "model"), ("bias",): P("model")}
+
+
+def linear_specs(state_sharding):
+    return state_sharding({nnx.PathContains("kernel"): P(None, "model"), ...: P("model")})
+
+
+def specs_of(node):
+    return {p: v.get_value().sharding for p, v in nnx.to_flat_state(nnx.state(node))}
+
+
+def test_inputs_come_back_laid_out_by_in_specs_as_in_flax(mesh):
+    """Every input Variable, changed or not, holds its array laid out by its in_spec
+    afterwards (as flax's shard_map leaves it), so later calls do not move it again."""
+    placed = {}
+    for name, shard_map, state_sharding in [
+        ("flax", nnx.shard_map, nnx.StateSharding),
+        ("ours", ns.shard_map, ns.StateSharding),
+    ]:
+        model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        kernel = np.asarray(model.kernel[...])
+        shard_map(
+            lambda m: None, mesh=mesh, in_specs=(linear_specs(state_sharding),), out_specs=P()
+        )(model)
+        np.testing.assert_array_equal(model.kernel[...], kernel)  # values untouched
+        placed[name] = specs_of(model)
+    assert placed["ours"] == placed["flax"]
+    assert placed["ours"] == {p: NamedSharding(mesh, s) for p, s in LINEAR_SPECS.items()}
+
+
+def test_inputs_keep_their_in_specs_as_written_as_in_flax(mesh):
+    specs = {}
+    for name, shard_map, state_sharding in [
+        ("flax", nnx.shard_map, nnx.StateSharding),
+        ("ours", ns.shard_map, ns.StateSharding),
+    ]:
+        model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        in_specs = state_sharding({nnx.PathContains("kernel"): P("data", None), ...: P(None)})
+        shard_map(lambda m: None, mesh=mesh, in_specs=(in_specs,), out_specs=P())(model)
+        specs[name] = {p: str(s.spec) for p, s in specs_of(model).items()}
+    assert specs["ours"] == specs["flax"] == {("kernel",): "P('data', None)", ("bias",): "P(None,)"}
+
+
+def test_placed_inputs_cost_nothing_on_later_calls(mesh):
+    model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    traces = []
+
+    @ns.shard_map(mesh=mesh, in_specs=(linear_specs(ns.StateSharding),), out_specs=P())
+    def read(m):
+        traces.append(1)
+        return jax.lax.psum(m.bias[...].sum(), "model")
+
+    read(model)  # moves the Variables onto the mesh: the next call traces for them there
+    placed = model.kernel[...], model.bias[...]
+    for _ in range(3):
+        read(model)
+    # laid out already: not returned by the program, nor written back, nor traced again
+    assert (model.kernel[...], model.bias[...]) == placed
+    assert model.kernel[...] is placed[0] and model.bias[...] is placed[1]
+    assert len(traces) == 2
+    # a value set later on one device is placed by the next call, like any other
+    model.bias[...] = jnp.arange(8.0)
+    np.testing.assert_allclose(read(model), jnp.arange(8.0).sum())
+    assert specs_of(model)[("bias",)] == NamedSharding(mesh, P("model"))
+    assert model.kernel[...] is placed[0]
+
+
+def test_dict_and_list_specs_as_in_flax(mesh):
+    outs = {}
+    for name, shard_map in [("flax", nnx.shard_map), ("ours", ns.shard_map)]:
+        model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        f = shard_map(
+            lambda m, x: {"a": m(x), "b": [x, x.sum(0)]},
+            mesh=mesh,
+            in_specs=(P(), P("data")),
+            out_specs={"a": P("data"), "b": [P("data"), P("model")]},
+            check_vma=False,
+        )
+        outs[name] = f(model, X)
+        g = shard_map(
+            lambda d: [d["x"] * 2], mesh=mesh, in_specs=({"x": P("data")},), out_specs=[P("data")]
+        )
+        outs[name + " in"] = g({"x": X})
+    for name in ("", " in"):
+        ours, theirs = outs["ours" + name], outs["flax" + name]
+        assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+            assert a.sharding == b.sharding
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(outs["ours"]["a"], model(X), rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec", [P(None), P(None, "model"), P("data", None)])
+def test_output_specs_are_kept_as_written_as_in_flax(mesh, spec):
+    x = jnp.ones((4, 8))
+    got = {}
+    for name, shard_map in [("flax", nnx.shard_map), ("ours", ns.shard_map)]:
+        f = shard_map(lambda x: {"y": x}, mesh=mesh, in_specs=(P(),), out_specs={"y": spec})
+        got[name] = f(x)["y"]
+    assert str(got["ours"].sharding.spec) == str(got["flax"].sharding.spec) == str(spec)
+    with jax.set_mesh(mesh):  # mesh from the context: the same
+        f = ns.shard_map(lambda x: x, in_specs=(P(),), out_specs=spec)
+        assert str(f(x).sharding.spec) == str(spec)
+
+
+def test_nnx_prefix_as_in_and_out_specs_as_in_flax(mesh):
+    """``nnx.prefix(model, {filter: spec})`` stands for the module it was made of, as a
+    StateSharding does (flax takes it with graph_updates=False)."""
+    reference = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    results = {}
+    for name, shard_map, options in [
+        ("flax", nnx.shard_map, {"graph_updates": False}),
+        ("ours", ns.shard_map, {}),
+    ]:
+        model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        specs = nnx.prefix(model, {nnx.PathContains("kernel"): P(None, "model"), ...: P("model")})
+        seen = []
+
+        def forward(m, x, seen=seen):
+            seen.append((m.kernel.shape, m.bias.shape))
+            return m(x)
+
+        f = shard_map(
+            forward, mesh=mesh, in_specs=(specs, P("data")), out_specs=P("data", "model"), **options
+        )
+        g = shard_map(
+            lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+            mesh=mesh,
+            in_specs=(),
+            out_specs=specs,
+            **options,
+        )
+        results[name] = (f(model, X), seen, g())
+    (y, seen, new), (y_flax, seen_flax, new_flax) = results["ours"], results["flax"]
+    np.testing.assert_allclose(y, reference(X), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y, y_flax, rtol=1e-6)
+    assert seen == seen_flax == [((4, 2), (2,))]
+    assert specs_of(new) == specs_of(new_flax)
+    assert {p: s.spec for p, s in specs_of(new).items()} == LINEAR_SPECS
+    assert new.kernel.shape == new_flax.kernel.shape == (4, 32)  # 4 shards of (4, 8)
+
+
+def test_state_of_specs_above_a_module(mesh):
+    """An nnx.State of specs where the argument or output is a module reads as a
+    StateSharding of exact paths; the output keeps the State's layout."""
+    model, reference = nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    specs = nnx.State({"kernel": P(None, "model"), "bias": P("model")})
+    f = ns.shard_map(nnx.clone, mesh=mesh, in_specs=(specs,), out_specs=specs)
+    out = f(model)
+    assert out is not model
+    assert {p: s.spec for p, s in specs_of(out).items()} == LINEAR_SPECS
+    assert specs_of(model) == specs_of(out)
+    np.testing.assert_allclose(out.kernel[...], reference.kernel[...])
+    # above a State argument (not a module) it is a pytree prefix as any other
+    g = ns.shard_map(lambda s: s, mesh=mesh, in_specs=(specs,), out_specs=specs)
+    state = g(nnx.state(reference))
+    assert state["kernel"][...].sharding.spec == P(None, "model")
+    wrong = ns.shard_map(
+        nnx.clone, mesh=mesh, in_specs=(P(),), out_specs=nnx.State({**specs, "extra": P()})
+    )
+    with pytest.raises(ValueError, match=r"nnx.State at output has \.extra, which the graph node"):
+        wrong(model)
+
+
+@pytest.mark.parametrize("argument", ["in_specs", "out_specs"])
+def test_graph_node_as_specs_is_rejected_when_wrapped_as_in_flax(mesh, argument):
+    options = {"in_specs": (P(),), "out_specs": P(), argument: nnx.Dict(a=P())}
+    with pytest.raises(ValueError, match="Graph nodes are not allowed as prefixes"):
+        nnx.shard_map(lambda m: m, mesh=mesh, **options)
+    with pytest.raises(ValueError) as info:
+        ns.shard_map(lambda m: m, mesh=mesh, **options)
+    where = "args" if argument == "in_specs" else "output"
+    assert str(info.value).startswith(
+        f"shard_map: {argument}: found a graph node of type Dict at {where}\n"
+    )
+    assert 'flax: "Graph nodes are not allowed as prefixes"' in str(info.value)
+
+
+FLAX_PHRASES = {  # misuse -> (the call, flax's words for it)
+    "unknown_axis": (
+        lambda sm, mesh: sm(lambda x: x, mesh=mesh, in_specs=(P(),), out_specs=P("nope"))(X),
+        "out_specs argument must refer to an axis marked as manual",
+    ),
+    "string_spec": (
+        lambda sm, mesh: sm(lambda x: x, mesh=mesh, in_specs=("data",), out_specs=P())(X),
+        "in_specs argument must be a pytree of `jax.sharding.PartitionSpec` instances",
+    ),
+    "not_a_prefix": (
+        lambda sm, mesh: sm(lambda x: x, mesh=mesh, in_specs=(P(), P()), out_specs=P())(X),
+        "pytree structure error",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FLAX_PHRASES)
+def test_messages_carry_flax_words(mesh, case):
+    trigger, phrase = FLAX_PHRASES[case]
+    messages = []
+    for shard_map in (nnx.shard_map, ns.shard_map):
+        with pytest.raises((ValueError, TypeError)) as info:
+            trigger(shard_map, mesh)
+        messages.append(str(info.value))
+    assert phrase in messages[0] and phrase in messages[1]
+    assert messages[1].startswith("shard_map: ")  # ours, with the flax words added

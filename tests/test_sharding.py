@@ -305,9 +305,8 @@ BAD_PREFIXES = [  # (option, value given the model, error, match); f(model, X) =
 @pytest.mark.parametrize("option, value, error, match", BAD_PREFIXES)
 def test_bad_prefix_is_rejected(option, value, error, match):
     model = MLP()
-    f = nnx_sharding.jit(lambda m, x: m(x), **{option: value(model)})
-    with jax.set_mesh(MESH), pytest.raises(error, match=match):
-        f(model, X)
+    with jax.set_mesh(MESH), pytest.raises(error, match=match):  # at creation or call
+        nnx_sharding.jit(lambda m, x: m(x), **{option: value(model)})(model, X)
 
 
 # --- aliasing: acceptance item 11 ------------------------------------------------------
@@ -518,3 +517,168 @@ def test_is_node_agrees_with_flax_and_caches_only_what_cannot_vary():
         return x
 
     inside(jnp.ones(2))
+
+
+# --- prefix forms: dicts and lists, nnx.prefix, nnx.State; flax's words (issue items 2-6) -
+
+
+def test_dict_and_list_prefixes_as_in_flax():
+    data = {"x": X, "y": [X, X[0]]}
+    outs, traces = {}, []
+
+    def f(d):
+        traces.append(1)
+        return {"sum": d["x"] + d["y"][0], "parts": [d["y"][1] * 2]}
+
+    for name, jit in [("flax", nnx.jit), ("ours", nnx_sharding.jit)]:
+        g = jit(
+            f,
+            in_shardings=({"x": named("data"), "y": [named(), named("model")]},),
+            out_shardings={"sum": named(None, "model"), "parts": [named()]},
+        )
+        outs[name] = (g(data), g(data))
+    ours, theirs = outs["ours"][0], outs["flax"][0]
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+        assert a.sharding == b.sharding
+    assert len(traces) == 2  # once each: the dict prefixes are part of a hashable plan
+    # a list of per-argument shardings, as jax.jit takes it
+    h = nnx_sharding.jit(lambda a, b: a + b, in_shardings=[named("data"), named()])
+    np.testing.assert_allclose(h(X, X), 2 * X)
+    assert h(X, X).sharding.is_equivalent_to(named("data"), 2)
+
+
+NNX_PREFIX = {nnx.PathContains("kernel"): named(None, "model"), ...: named("model")}
+LINEAR_SPECS = {("kernel",): P(None, "model"), ("bias",): P("model")}
+
+
+def test_nnx_prefix_as_in_and_out_shardings_as_in_flax():
+    """``nnx.prefix(model, {filter: sharding})`` stands for that module as the
+    StateSharding of the same mapping does."""
+    placed = {}
+    for name, prefix in [
+        ("flax", nnx.StateSharding(NNX_PREFIX)),  # flax pins in_shardings this way only
+        ("ours", None),
+    ]:
+        model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        prefix = nnx.prefix(model, NNX_PREFIX) if prefix is None else prefix
+        jit = nnx.jit if name == "flax" else nnx_sharding.jit
+        jit(lambda m: None, in_shardings=(prefix,))(model)
+        placed[name] = specs_of(model)
+    assert placed["ours"] == placed["flax"] == LINEAR_SPECS
+    made = {}
+    for name, jit, options in [
+        ("flax", nnx.jit, {"graph_updates": False}),  # flax takes it as out_shardings so
+        ("ours", nnx_sharding.jit, {}),
+    ]:
+        prefix = nnx.prefix(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), NNX_PREFIX)
+        made[name] = jit(
+            lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0)), out_shardings=prefix, **options
+        )()
+    assert specs_of(made["ours"]) == specs_of(made["flax"]) == LINEAR_SPECS
+    assert_same_numbers(made["ours"], made["flax"])
+
+
+def test_state_of_shardings_above_a_module():
+    """An nnx.State of shardings at a module's position reads as a StateSharding of
+    exact paths (flax refuses it); above a State argument it is a plain pytree prefix."""
+    shardings = nnx.State({"kernel": named(None, "model"), "bias": named("model")})
+    model = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    made = nnx_sharding.jit(nnx.clone, in_shardings=(shardings,), out_shardings=shardings)(model)
+    assert specs_of(model) == specs_of(made) == LINEAR_SPECS
+    state = nnx_sharding.jit(lambda s: s, in_shardings=(shardings,))(nnx.state(model))
+    assert state["kernel"][...].sharding.spec == P(None, "model")
+
+
+@pytest.mark.parametrize(
+    "option, prefix, words",
+    [
+        ("in_shardings", nnx.Dict(a=P()), "Graph nodes are not allowed as prefixes"),
+        ("out_shardings", (None, nnx.Dict(a=P())), "Graph nodes are not allowed as prefixes"),
+        ("in_shardings", (nnx.Param(P()),), "Variables prefixes are not supported"),
+    ],
+)
+def test_graph_node_as_prefix_is_rejected_when_wrapped_as_in_flax(option, prefix, words):
+    with pytest.raises(ValueError, match=words):
+        nnx.jit(lambda m: m, **{option: prefix})
+    with pytest.raises(ValueError) as info:
+        nnx_sharding.jit(lambda m: m, **{option: prefix})
+    where = {"in_shardings": "args", "out_shardings": "output[1]"}[option]
+    where += "[0]" if isinstance(prefix, tuple) and option == "in_shardings" else ""
+    kind = type(jax.tree.leaves(prefix, is_leaf=nnx.graph.is_graph_node)[-1]).__name__
+    assert str(info.value).startswith(
+        f"jit: {option}: found a graph node of type {kind} at {where}\n"
+    )
+    assert f'flax: "{words}"' in str(info.value)
+
+
+def test_graph_node_in_prefix_names_the_argument_past_static_ones():
+    with pytest.raises(ValueError, match=r"graph node of type MLP at args\[2\]"):
+        nnx_sharding.jit(lambda a, s, m: m, static_argnums=1, in_shardings=(None, MLP()))
+
+
+def _aliased(jit):
+    lin = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    jit(lambda a, b: None, in_shardings=(named("data"), named()))(lin, lin)
+
+
+def _committed_elsewhere(jit):
+    x = jax.device_put(X, named("data"))
+    jit(lambda x: x, in_shardings=(named("model"),))(x)
+
+
+FLAX_PHRASES = {  # misuse -> (the call, given jit; flax's words for it)
+    "aliased_variable": (_aliased, "Inconsistent aliasing detected"),
+    "unhashable_static": (
+        lambda jit: jit(lambda x, s: x, static_argnums=1)(X, [1]),
+        "Non-hashable static arguments are not supported",
+    ),
+    "static_argnums_out_of_range": (
+        lambda jit: jit(lambda x: x, static_argnums=3)(X),
+        "only accepts 1 positional arguments",
+    ),
+    "unknown_static_argname": (
+        lambda jit: jit(lambda x: x, static_argnames="zz")(X),
+        "invalid argnames {'zz'} in static_argnames",
+    ),
+    "static_and_donated": (
+        lambda jit: jit(lambda x: x, static_argnums=0, donate_argnums=0)(1),
+        "static_argnames and donate_argnames cannot intersect",
+    ),
+    "not_a_prefix": (
+        lambda jit: jit(lambda m, x: None, in_shardings=(P(), P(), P()))(MLP(), X),
+        "pytree structure error",
+    ),
+    "string_entry": (
+        lambda jit: jit(lambda x: x, in_shardings=("data",))(X),
+        "in_shardings leaf specifications are expected to be PartitionSpec instances or None",
+    ),
+    "no_filter_matched": (
+        lambda jit: jit(
+            lambda m: None,
+            in_shardings=(
+                (nnx.StateSharding if jit is nnx.jit else StateSharding)({nnx.BatchStat: None}),
+            ),
+        )(nnx.Linear(4, 8, rngs=nnx.Rngs(0))),
+        "No axis found for path",
+    ),
+    "committed_elsewhere": (
+        _committed_elsewhere,
+        "Sharding passed to jit does not match the sharding on the respective arg",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FLAX_PHRASES)
+def test_messages_carry_flax_words(case):
+    """Code written against flax may match its messages: ours keep their own layout and
+    carry flax's words for the same misuse."""
+    trigger, phrase = FLAX_PHRASES[case]
+    messages = []
+    for jit in (nnx.jit, nnx_sharding.jit):
+        with pytest.raises((ValueError, TypeError)) as info:
+            trigger(jit)
+        messages.append(str(info.value))
+    assert phrase in messages[0], messages[0]
+    assert messages[1].startswith("jit: ") and phrase in messages[1], messages[1]

@@ -1,11 +1,14 @@
 """`Traced`/`Lowered`/`Compiled`: every `jax.stages` member, module arguments, AOT calls."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
 from nnx_sharding import Compiled, Lowered, Traced
@@ -103,7 +106,9 @@ def out_info(o, r):
 
 
 def out_tree(o, r):
-    return o.out_tree.num_leaves == r.out_tree.num_leaves == 2
+    # the function's own output (one array), as out_info gives it; jax's is the flat
+    # (OutPlan, updated Variables, outputs) of the program
+    return o.out_tree == jax.tree.structure(o.out_info) == jax.tree.structure(r.out_info[2][0])
 
 
 def compiled_call(o, r):
@@ -316,7 +321,8 @@ def _with_wider_kernel():
 MISMATCHES = {  # call -> (args, kwargs); compiled for forward(Counter(), X)
     "extra_attribute": (
         lambda: ((_with_extra_attribute(), X), {}),
-        r"graph node at args\[0\] has another structure",
+        r"graph node at args\[0\] has another structure: "
+        r"args\[0\]\.extra: not in the compiled program \(here: a Param\)",
     ),
     "array_shape": (
         lambda: ((Counter(), jnp.ones((3, 4))), {}),
@@ -368,3 +374,122 @@ def test_compiled_from_a_method_takes_the_method_arguments():
     compiled = holder.run.lower(X).compile()
     np.testing.assert_allclose(compiled(X), reference.run(X), rtol=1e-6)
     assert int(holder.counter.count[...]) == 1
+
+
+# --- out_tree of the function's output; Compiled names what differs (issue items 7, 8) --
+
+
+def _shard_mapped():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return nnx_sharding.shard_map(
+        lambda m, x: {"y": m(x), "model": m}, mesh=mesh, in_specs=(P(), P()), out_specs=P()
+    )
+
+
+@pytest.mark.parametrize("transform", ["jit", "shard_map"])
+def test_out_tree_is_the_structure_of_out_info(transform):
+    """out_tree describes the function's output, graph nodes included, as out_info does
+    (not the program's flat outputs, which carry the package's own plan)."""
+    model = Counter()
+    if transform == "jit":
+        f = nnx_sharding.jit(lambda m, x: {"y": m(x), "model": m})
+    else:
+        f = _shard_mapped()
+    traced = f.trace(model, X)
+    lowered = traced.lower()
+    compiled = lowered.compile()
+    expected = jax.tree.structure({"y": X, "model": Counter()})
+    for stage in (traced, lowered, compiled):
+        assert stage.out_tree == jax.tree.structure(stage.out_info) == expected
+        assert stage.out_tree.num_leaves == len(jax.tree.leaves(stage.out_info)) == 4
+    out = compiled(model, X)
+    assert jax.tree.structure(out) == compiled.out_tree
+
+
+def _renamed_feature():
+    model = Counter()
+    model.lin.in_features = 5
+    return model
+
+
+def _without_count():
+    model = Counter()
+    del model.count
+    return model
+
+
+def _count_as_param():
+    model = Counter()
+    model.count = nnx.Param(jnp.array(0))
+    return model
+
+
+def _shared_twice():
+    model = Counter()
+    model.alias = model.lin
+    return model
+
+
+def _unshared_twice():
+    model = Counter()
+    model.alias = Counter().lin
+    return model
+
+
+ATTRIBUTE_CHANGES = {  # made -> what the message says, for forward compiled for Counter()
+    "added": (
+        lambda: (_with_extra_attribute(), Counter()),
+        [r"args\[0\]\.extra: not in the compiled program \(here: a Param\)"],
+    ),
+    "removed": (
+        lambda: (_without_count(), Counter()),
+        [r"args\[0\]\.count: missing \(the compiled program has a BatchStat there\)"],
+    ),
+    "static_value": (
+        lambda: (_renamed_feature(), Counter()),
+        [r"args\[0\]\.lin\.in_features: 5 here, 4 in the compiled program"],
+    ),
+    "variable_type": (
+        lambda: (_count_as_param(), Counter()),
+        [r"args\[0\]\.count: a Param here, a BatchStat in the compiled program"],
+    ),
+    "sharing": (
+        lambda: (_unshared_twice(), _shared_twice()),
+        [r"args\[0\]\.lin: a separate object here, the object at args\[0\]\.alias in the"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ATTRIBUTE_CHANGES)
+def test_compiled_names_each_attribute_that_differs(case):
+    make, patterns = ATTRIBUTE_CHANGES[case]
+    called, compiled_for = make()
+    compiled = nnx_sharding.jit(forward).lower(compiled_for, X).compile()
+    with pytest.raises(TypeError) as info:
+        compiled(called, X)
+    message = str(info.value)
+    assert message.startswith("jit: arguments: the graph node at args[0] has another structure: ")
+    assert all(re.search(p, message) for p in patterns), message
+    assert (  # jax's words (through flax) for a call that does not fit the compiled pytree
+        "Function compiled with input pytree does not match the input pytree it was called with"
+        in message
+    )
+
+
+def test_compiled_names_every_difference_and_flax_words_for_types():
+    model = _with_extra_attribute()
+    model.lin.extra_b = nnx.Param(jnp.ones(2))
+    del model.count
+    compiled = nnx_sharding.jit(forward).lower(Counter(), X).compile()
+    with pytest.raises(TypeError) as info:
+        compiled(model, X)
+    message = str(info.value).splitlines()[0]
+    for path in ("args[0].count: missing", "args[0].extra: not in", "args[0].lin.extra_b: not in"):
+        assert path in message
+    # shapes: flax (jax) and ours say it in the same words
+    flax_compiled = nnx.jit(forward).lower(Counter(), X).compile()
+    words = "Argument types differ from the types for which this computation was compiled"
+    with pytest.raises(TypeError, match=words):
+        flax_compiled(Counter(), jnp.ones((3, 4)))
+    with pytest.raises(TypeError, match=words):
+        compiled(Counter(), jnp.ones((3, 4)))

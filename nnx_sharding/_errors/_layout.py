@@ -16,13 +16,18 @@ def format_message(
     problems: Sequence[str],
     rule: str,
     fixes: Sequence[str],
+    flax: str = "",
 ) -> str:
-    """Assembles the standard message layout; every ``problems`` entry is listed."""
+    """Assembles the standard message layout; every ``problems`` entry is listed.
+
+    ``flax``: flax's own words for the same error, which code written against flax
+    may match on; they close the rule's line.
+    """
     lines = [f"{transform}: {argument}: " + (problems[0] if len(problems) == 1 else "")]
     if len(problems) > 1:
         lines[0] += f"{len(problems)} problems:"
         lines += [f"  - {p}" for p in problems]
-    lines.append(rule)
+    lines.append(f'{rule} (flax: "{flax}")' if flax else rule)
     lines.append("Fixes:")
     lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes, 1)]
     return "\n".join(lines)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from ._layout import _a, format_message
 
@@ -32,6 +31,7 @@ def no_filter_matched(
             "add a filter that matches it, e.g. `(nnx.Param, P())`;",
             "end the mapping with a catch-all entry `(..., None)` (None: let jax choose).",
         ],
+        flax="No axis found for path",
     )
 
 
@@ -94,81 +94,6 @@ def spec_value_not_a_sharding(filter_: object, type_name: str) -> str:
     )
 
 
-def node_in_prefix(transform: str, argument: str, path: str, type_name: str) -> str:
-    return format_message(
-        transform,
-        argument,
-        [f"found a graph node of type {type_name} at {path}"],
-        "Rule: shardings and specs are given as a pytree prefix of the arguments; at a graph "
-        "node's position put a StateSharding, one Sharding or PartitionSpec for all its "
-        "Variables, or None.",
-        [
-            "replace the module with `StateSharding({nnx.Param: P(...), ...})`;",
-            "to reuse the shardings a module already carries, use "
-            "`StateSharding(nnx.get_named_sharding(nnx.state(model), mesh))`.",
-        ],
-    )
-
-
-def state_sharding_at_leaf(transform: str, argument: str, path: str, type_name: str) -> str:
-    return format_message(
-        transform,
-        argument,
-        [f"a StateSharding stands at {path}, where the argument is {_a(type_name)}"],
-        "Rule: a StateSharding applies only at the position of a graph node (Module, "
-        "Variable, Rngs, Optimizer, nnx.List/nnx.Dict).",
-        [
-            "give a Sharding or PartitionSpec for plain arrays;",
-            "move the StateSharding to the position of the module it describes.",
-        ],
-    )
-
-
-def prefix_mismatch(where: str, prefix: object, tree: object, tree_name: str) -> str:
-    """The detail of `not_a_prefix`: where the prefix and the tree part ways."""
-
-    def describe(x: Any) -> str:
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            return f"an array of shape {tuple(x.shape)}"
-        n = f" of {len(x)} entries" if isinstance(x, (tuple, list, dict)) else ""
-        return _a(type(x).__name__) + n
-
-    verb = "have" if tree_name.endswith("s") else "has"
-    return f"at {where} it has {describe(prefix)} where the {tree_name} {verb} {describe(tree)}"
-
-
-def not_a_prefix(transform: str, argument: str, detail: str, tree_name: str = "arguments") -> str:
-    """``tree_name``: what the prefix describes, ``arguments`` or ``output``."""
-    entry = "positional argument" if tree_name == "arguments" else "element of the output"
-    whose = tree_name + ("'" if tree_name.endswith("s") else "'s")
-    return format_message(
-        transform,
-        argument,
-        [f"is not a pytree prefix of the {tree_name} ({detail})"],
-        f"Rule: the tree must match the {whose} structure down to where each "
-        "sharding or spec stands; a single value applies to everything below it.",
-        [
-            f"give one entry per {entry}, e.g. `(StateSharding(...), P('data'))`;",
-            f"use None for {'an argument' if tree_name == 'arguments' else 'an element'} "
-            "that needs no sharding.",
-        ],
-    )
-
-
-def aliased_shardings(transform: str, argument: str, conflicts: Sequence[str]) -> str:
-    return format_message(
-        transform,
-        argument,
-        list(conflicts),
-        "Rule: a Variable reachable through several paths (a shared reference) must "
-        "receive one sharding.",
-        [
-            "make the filters give the same sharding on every path to the shared Variable;",
-            "or give the sharding at one path only and None at the others.",
-        ],
-    )
-
-
 def bad_static(transform: str, argument: str, type_name: str, err: str) -> str:
     return format_message(
         transform,
@@ -179,6 +104,7 @@ def bad_static(transform: str, argument: str, type_name: str, err: str) -> str:
             "pass it as a dynamic argument (drop it from static_argnums/static_argnames);",
             "convert it to a hashable value (a tuple instead of a list, a frozen dataclass).",
         ],
+        flax="Non-hashable static arguments are not supported",
     )
 
 
@@ -228,6 +154,7 @@ def sharding_mismatch(
             "`nnx.update(model, jax.device_put(nnx.state(model), shardings))`;",
             f"or ask for the sharding it has in {argument} (None takes the argument's own).",
         ],
+        flax="Sharding passed to jit does not match the sharding on the respective arg",
     )
 
 
@@ -269,6 +196,7 @@ def argnums_out_of_range(
             f"{transform} decorates it in the class body);",
             "or name the parameter in static_argnames/donate_argnames.",
         ],
+        flax=f"only accepts {len(params)} positional arguments",
     )
 
 
@@ -286,10 +214,12 @@ def unknown_argnames(
             "correct the name;",
             "or give a positional-only parameter by position in static_argnums/donate_argnums.",
         ],
+        flax=f"invalid argnames {set(bad)!r} in {argument}",
     )
 
 
 def static_and_donated(transform: str, both: Sequence[object]) -> str:
+    kind = "argnames" if all(isinstance(b, str) for b in both) else "argnums"
     return format_message(
         transform,
         "static_argnums/static_argnames and donate_argnums/donate_argnames",
@@ -300,6 +230,7 @@ def static_and_donated(transform: str, both: Sequence[object]) -> str:
             "drop it from donate_argnums/donate_argnames to keep it static;",
             "or drop it from static_argnums/static_argnames to pass (and donate) its arrays.",
         ],
+        flax=f"static_{kind} and donate_{kind} cannot intersect",
     )
 
 
@@ -335,7 +266,21 @@ def argument_structure(missing: Sequence[str], extra: Sequence[str]) -> str:
     return "the argument structure differs: " + "; ".join(parts)
 
 
-def structure_mismatch(transform: str, differences: Sequence[str]) -> str:
+def compiled_difference(path: str, kind: str, here: object = None, there: object = None) -> str:
+    """A problem for `structure_mismatch`: the graph node at ``path`` differs from the one
+    the program was compiled for. ``kind``: added, removed, type, value or shared; ``here``
+    and ``there``: what the call and the program have (type names; values for value)."""
+    return {
+        "added": f"{path}: not in the compiled program (here: {_a(str(here))})",
+        "removed": f"{path}: missing (the compiled program has {_a(str(there))} there)",
+        "type": f"{path}: {_a(str(here))} here, {_a(str(there))} in the compiled program",
+        "value": f"{path}: {here!r} here, {there!r} in the compiled program",
+        "shared": f"{path}: {here} here, {there} in the compiled program",
+    }[kind]
+
+
+def structure_mismatch(transform: str, differences: Sequence[str], types: bool = False) -> str:
+    """``types``: the differences are of array shapes or dtypes only."""
     return format_message(
         transform,
         "arguments",
@@ -346,6 +291,10 @@ def structure_mismatch(transform: str, differences: Sequence[str]) -> str:
             "call the JitWrapped instead, which compiles again for new structures;",
             "or lower and compile again with the new arguments.",
         ],
+        flax="Argument types differ from the types for which this computation was compiled"
+        if types
+        else "Function compiled with input pytree does not match the input pytree it was "
+        "called with",
     )
 
 
@@ -417,30 +366,6 @@ def cannot_infer_specs(transform: str, axes: Sequence[str]) -> str:
     )
 
 
-def state_sharding_above(transform: str, argument: str, wheres: Sequence[str]) -> str:
-    return format_message(
-        transform,
-        argument,
-        [f"a StateSharding stands at {w}, which is not a single graph node" for w in wheres],
-        "Rule: in shard_map's out_specs a StateSharding goes at the position of exactly "
-        "one graph node of the output.",
-        [
-            "repeat the StateSharding at each graph node's position, e.g. `(s, s)`;",
-            "or use one PartitionSpec, which applies to every Variable below it.",
-        ],
-    )
-
-
-def bad_prefix_entry(transform: str, argument: str, where: str, type_name: str) -> str:
-    return format_message(
-        transform,
-        argument,
-        [f"found {_a(type_name)} at {where}"],
-        "Rule: each entry is a Sharding, a PartitionSpec, a StateSharding or None.",
-        ["wrap mesh axis names in PartitionSpec, e.g. P('data')."],
-    )
-
-
 def spec_axes_not_manual(
     transform: str,
     argument: str,
@@ -462,6 +387,7 @@ def spec_axes_not_manual(
             "correct the axis name, e.g. `P('data')`, or replicate with `P()`;",
             "or make the axis manual: leave it out of `auto`, or add it to `axis_names`.",
         ],
+        flax=f"{argument} argument must refer to an axis marked as manual",
     )
 
 

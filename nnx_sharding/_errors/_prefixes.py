@@ -1,0 +1,121 @@
+"""Messages about sharding prefixes: their entries, their structure, aliased Variables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from flax import nnx
+
+from ._layout import _a, format_message
+
+
+def node_in_prefix(transform: str, argument: str, path: str, node: object) -> str:
+    """A graph node (or a Variable) where a prefix wants a sharding entry."""
+    return format_message(
+        transform,
+        argument,
+        [f"found a graph node of type {type(node).__name__} at {path}"],
+        "Rule: shardings and specs are given as a pytree prefix of the arguments; at a graph "
+        "node's position put a StateSharding, one Sharding or PartitionSpec for all its "
+        "Variables, or None.",
+        [
+            "replace the module with `StateSharding({nnx.Param: P(...), ...})`, or with "
+            "`nnx.prefix(model, {nnx.Param: P(...), ...})` (made in graph mode, the default: "
+            "`nnx.prefix(..., graph=False)` gives a module);",
+            "to reuse the shardings a module already carries, use "
+            "`StateSharding(nnx.get_named_sharding(nnx.state(model), mesh))`.",
+        ],
+        flax="Variables prefixes are not supported"
+        if isinstance(node, nnx.Variable)
+        else "Graph nodes are not allowed as prefixes",
+    )
+
+
+def state_sharding_at_leaf(transform: str, argument: str, path: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        argument,
+        [f"a StateSharding stands at {path}, where the argument is {_a(type_name)}"],
+        "Rule: a StateSharding applies only at the position of a graph node (Module, "
+        "Variable, Rngs, Optimizer, nnx.List/nnx.Dict).",
+        [
+            "give a Sharding or PartitionSpec for plain arrays;",
+            "move the StateSharding to the position of the module it describes.",
+        ],
+    )
+
+
+def prefix_mismatch(where: str, prefix: object, tree: object, tree_name: str) -> str:
+    """The detail of `not_a_prefix`: where the prefix and the tree part ways."""
+
+    def describe(x: Any) -> str:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return f"an array of shape {tuple(x.shape)}"
+        n = f" of {len(x)} entries" if isinstance(x, (tuple, list, dict)) else ""
+        return _a(type(x).__name__) + n
+
+    verb = "have" if tree_name.endswith("s") else "has"
+    return f"at {where} it has {describe(prefix)} where the {tree_name} {verb} {describe(tree)}"
+
+
+def not_a_prefix(transform: str, argument: str, detail: str, tree_name: str = "arguments") -> str:
+    """``tree_name``: what the prefix describes, ``arguments`` or ``output``."""
+    entry = "positional argument" if tree_name == "arguments" else "element of the output"
+    whose = tree_name + ("'" if tree_name.endswith("s") else "'s")
+    return format_message(
+        transform,
+        argument,
+        [f"is not a pytree prefix of the {tree_name} ({detail})"],
+        f"Rule: the tree must match the {whose} structure down to where each "
+        "sharding or spec stands; a single value applies to everything below it.",
+        [
+            f"give one entry per {entry}, e.g. `(StateSharding(...), P('data'))`;",
+            f"use None for {'an argument' if tree_name == 'arguments' else 'an element'} "
+            "that needs no sharding.",
+        ],
+        flax="pytree structure error",
+    )
+
+
+def aliased_shardings(transform: str, argument: str, conflicts: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        argument,
+        list(conflicts),
+        "Rule: a Variable reachable through several paths (a shared reference) must "
+        "receive one sharding.",
+        [
+            "make the filters give the same sharding on every path to the shared Variable;",
+            "or give the sharding at one path only and None at the others.",
+        ],
+        flax="Inconsistent aliasing detected",
+    )
+
+
+def bad_prefix_entry(transform: str, argument: str, where: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        argument,
+        [f"found {_a(type_name)} at {where}"],
+        "Rule: each entry is a Sharding, a PartitionSpec, a StateSharding or None.",
+        ["wrap mesh axis names in PartitionSpec, e.g. P('data')."],
+        flax=f"{argument} argument must be a pytree of `jax.sharding.PartitionSpec` instances"
+        if transform == "shard_map"
+        else f"{argument} leaf specifications are expected to be PartitionSpec instances or None",
+    )
+
+
+def state_sharding_above(transform: str, argument: str, wheres: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        argument,
+        [f"a StateSharding stands at {w}, which is not a single graph node" for w in wheres],
+        "Rule: in shard_map's out_specs a StateSharding goes at the position of exactly "
+        "one graph node of the output.",
+        [
+            "repeat the StateSharding at each graph node's position, e.g. `(s, s)`;",
+            "or use one PartitionSpec, which applies to every Variable below it.",
+        ],
+        flax="pytree structure error",
+    )
