@@ -157,6 +157,32 @@ class _FastCall(threading.local):
 
 FAST_CALL = _FastCall()
 
+Inner: TypeAlias = Callable[[list[Leaf], list[Leaf]], tuple[OutPlan, list[Leaf], list[Leaf]]]
+"""The function a transform gives ``jax.jit``: ``(donated, kept) -> (OutPlan, in, out)``."""
+
+
+def checked_on_fast_calls(inner: Inner) -> Inner:
+    """``inner``, raising `NeedsTrace` at the end of a trace made during a fast call
+    (`_cache.fast_call`) whose `OutPlan` the fast path cannot write back.
+
+    The trace is checked afterwards, not refused at once: once a trace raises, jax runs
+    every later call with those argument types on its Python path, and a call whose
+    arrays moved (placed by in_shardings on the first call) traces again on the next.
+    """
+
+    @functools.wraps(inner)
+    def checked(donated: list[Leaf], kept: list[Leaf]) -> tuple[OutPlan, list[Leaf], list[Leaf]]:
+        fast, FAST_CALL.active = FAST_CALL.active, False
+        try:
+            out = inner(donated, kept)
+        finally:
+            FAST_CALL.active = fast
+        if fast and not out[0].fast:
+            raise NeedsTrace
+        return out
+
+    return checked
+
 
 def _where(keypath: tuple[Any, ...], positions: Sequence[int]) -> str:
     """Renders a key path of ``(dyn_args, dyn_kwargs)`` as ``args[2].x`` / ``kwargs['y']``."""

@@ -12,12 +12,11 @@ from flax import nnx
 from . import _errors
 from ._call import CachedCall
 from ._graph import (
-    FAST_CALL,
     CallPlan,
     CallSpec,
     InnerSplit,
     Leaf,
-    NeedsTrace,
+    checked_on_fast_calls,
     chunks,
     merge_inputs,
     snapshots,
@@ -32,6 +31,7 @@ from ._sharding import (
     format_path,
     incompatible_shardings,
     is_node,
+    prefixes,
     variable_shardings,
 )
 from ._types import Device
@@ -149,6 +149,7 @@ class JitWrapped(CachedCall[P, R]):
         static = resolve_argnums(fun, static_argnums, static_argnames)
         donate = resolve_argnums(fun, donate_argnums, donate_argnames)
         check_overlap("jit", static, donate)
+        in_shardings, out_shardings = prefixes("jit", in_shardings, out_shardings, static[0])
         spec = CallSpec(
             "jit",
             *static,
@@ -179,9 +180,8 @@ class JitWrapped(CachedCall[P, R]):
 def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
     """The function jax traces: `_graph`'s steps 2 and 3 around ``fun``."""
 
+    @checked_on_fast_calls
     def inner(donated: list[Leaf], kept: list[Leaf]) -> tuple[Any, list[Leaf], list[Leaf]]:
-        if FAST_CALL.active:
-            raise NeedsTrace
         leaves = plan.join(donated, kept)
         args, kwargs, call_leaves = merge_inputs(plan, leaves)
         in_paths = _in_paths(plan, call_leaves)

@@ -7,16 +7,19 @@ modules, runs the function and splits the result again:
 
 - the inputs' leaves come back whole, each with the spec it came in with, so a
   Variable update inside the body reaches the caller laid out as that Variable is;
+  those not laid out so yet come back too, even unchanged, as from flax's shard_map
+  (`_shard_map_layout.misplaced`: decided per trace, from their types);
 - the output's graph nodes come back as one list of leaves per `StateSharding`
   filter, so the user's ``out_specs`` prefix (a StateSharding becomes the tuple
-  of its specs) matches whatever number of Variables each filter catches.
+  of its specs) matches whatever number of Variables each filter catches; jit's
+  out_shardings then keep each output's spec as written (`_shard_map_layout.Flat`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence, Set
-from typing import Any, ParamSpec, TypeAlias, TypeVar, cast, overload
+from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
 
 import jax
 from flax import nnx
@@ -25,118 +28,44 @@ from jax.tree_util import keystr
 
 from . import _errors
 from ._call import CachedCall
+from ._changes import graph_changes, graph_objects
 from ._graph import (
-    FAST_CALL,
     CallPlan,
     CallSpec,
     InnerSplit,
     Leaf,
-    NeedsTrace,
     changed_structure,
+    checked_on_fast_calls,
     merge_inputs,
     snapshots,
     split_inner,
     unflatten_all,
     value_of,
 )
+from ._shard_map_layout import (
+    AxisName,
+    Flat,
+    Specs,
+    abstract,
+    as_state,
+    axes_of,
+    jax_prefix,
+    manual_part,
+    misplaced,
+    spec_of,
+)
 from ._sharding import (
-    ShardingLike,
+    FromState,
     StateSharding,
-    accept_flax,
     format_path,
     is_node,
     is_prefix_leaf,
+    prefixes,
 )
 
 P = ParamSpec("P")
 R = TypeVar("R")
-Specs: TypeAlias = Any
-"""A pytree prefix of PartitionSpecs, `StateSharding`s and Nones (None: replicated)."""
-AxisName: TypeAlias = str
 Path: TypeAlias = tuple[Any, ...]
-
-
-def _spec(entry: ShardingLike) -> PartitionSpec:
-    """One prefix entry as jax wants it: None replicates, a NamedSharding gives its spec."""
-    if entry is None:
-        return PartitionSpec()
-    if isinstance(entry, NamedSharding):
-        return entry.spec
-    # a PartitionSpec; any other Sharding goes to jax.shard_map as given, which rejects it
-    return cast(PartitionSpec, entry)
-
-
-def _jax_prefix(specs: Specs) -> Any:
-    """The user's out_specs with each StateSharding replaced by the tuple of its specs."""
-
-    def convert(entry: Any) -> Any:
-        if isinstance(entry, StateSharding):
-            return tuple(_spec(s) for s in entry.shardings)
-        return _spec(entry)
-
-    return jax.tree.map(convert, specs, is_leaf=is_prefix_leaf)
-
-
-def _graph_objects(plan: CallPlan, call_leaves: Sequence[Any]) -> dict[tuple[str, Path], Any]:
-    """``(argument, path) -> object`` below each input graph node, shared objects under
-    each of their paths: what a structure change is measured against (at trace time)."""
-    found: dict[tuple[str, Path], Any] = {}
-    for where, leaf in zip(plan.wheres, call_leaves, strict=True):
-        if not is_node(leaf):
-            continue
-        objects = {
-            tuple(path): obj
-            for path, obj in nnx.iter_graph(leaf)
-            if path and not str(path[-1]).startswith("_pytree__")
-        }
-        for first, *others in nnx.find_duplicates(leaf):
-            if tuple(first) in objects:
-                objects.update((tuple(other), objects[tuple(first)]) for other in others)
-        found.update(((where, path), obj) for path, obj in objects.items())
-    return found
-
-
-def _kind(obj: Any) -> str:
-    return "graph" if isinstance(obj, nnx.Variable) or is_node(obj) else "static"
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if _kind(a) == "graph" or _kind(b) == "graph":
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - an array, say: not the same object, so changed
-        return False
-
-
-def _graph_changes(
-    before: dict[tuple[str, Path], Any], after: dict[tuple[str, Path], Any]
-) -> dict[str, list[str]]:
-    """Per argument, what the function added, removed or replaced in its graph: only
-    the topmost change of each subtree, and of plain (static) values only those under a
-    public name (not flax's bookkeeping such as ``_length``)."""
-    found: list[tuple[str, tuple[str, Path], Any]] = []
-    for key, obj in after.items():
-        if key not in before:
-            found.append(("added", key, obj))
-        elif not _same(before[key], obj):
-            found.append(("replaced" if _kind(before[key]) == "graph" else "changed", key, obj))
-    found += [("removed", key, obj) for key, obj in before.items() if key not in after]
-    keys = {key for _, key, _ in found}
-    changes: dict[str, list[str]] = {}
-    for kind, (where, path), obj in found:
-        if any((where, path[:n]) in keys for n in range(1, len(path))):
-            continue  # below a change already listed
-        old = before.get((where, path), obj)
-        if _kind(old) == _kind(obj) == "static" and str(path[-1]).startswith("_"):
-            continue
-        type_name = type(old).__name__ if kind != "changed" else ""
-        changes.setdefault(where, []).append(
-            _errors.graph_change(kind, where + format_path(path), type_name)
-        )
-    return changes
 
 
 def _in_sites(plan: CallPlan, leaves: Sequence[Leaf]) -> list[str]:
@@ -151,12 +80,6 @@ def _in_sites(plan: CallPlan, leaves: Sequence[Leaf]) -> list[str]:
             else:
                 sites += [where + format_path(p) for p in ctx.flatten(node)[1].paths]
     return sites
-
-
-def _manual_part(entry: Any, manual: Set[AxisName]) -> Any:
-    names = entry if isinstance(entry, tuple) else (entry,)
-    kept = tuple(n for n in names if n is not None and n in manual)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 class ShardMapFn(CachedCall[P, R]):
@@ -179,11 +102,13 @@ class ShardMapFn(CachedCall[P, R]):
     ):
         if not callable(fun):
             raise TypeError(_errors.not_callable("shard_map", fun, "out_specs=P()"))
-        in_specs, out_specs = accept_flax(in_specs), accept_flax(out_specs)
+        in_prefix, out_prefix = prefixes(
+            "shard_map", in_specs, out_specs, names=("in_specs", "out_specs")
+        )
         spec = CallSpec(
             "shard_map",
-            in_shardings=in_specs,
-            out_shardings=out_specs,
+            in_shardings=in_prefix,
+            out_shardings=out_prefix,
             in_name="in_specs",
             out_name="out_specs",
         )
@@ -193,6 +118,7 @@ class ShardMapFn(CachedCall[P, R]):
         self.check_vma = check_vma
         self._auto = frozenset(auto)
         self._infer = in_specs is None
+        out_specs = None if out_prefix is None else out_prefix.tree
         keyed = jax.tree_util.tree_flatten_with_path(out_specs, is_leaf=is_prefix_leaf)[0]
         self._state_sharding_sites = [
             f"output{keystr(kp)}" for kp, x in keyed if isinstance(x, StateSharding)
@@ -212,7 +138,7 @@ class ShardMapFn(CachedCall[P, R]):
                 raise TypeError(
                     _errors.bad_prefix_entry("shard_map", "out_specs", where, type(entry).__name__)
                 )
-        self._out_prefix = _jax_prefix(out_specs)
+        self._out_prefix = jax_prefix(out_specs)
 
     def _mesh(self) -> Mesh | AbstractMesh:
         if self.mesh is not None:
@@ -237,7 +163,7 @@ class ShardMapFn(CachedCall[P, R]):
         manual = self._manual_axes(mesh)
         problems = []
         for _, where, entry in self._out_spec_sites:
-            spec = _spec(entry)
+            spec = spec_of(entry)
             for part in spec:
                 for axis in part if isinstance(part, tuple) else (part,):
                     if isinstance(axis, str) and axis not in manual:
@@ -260,24 +186,34 @@ class ShardMapFn(CachedCall[P, R]):
     ) -> list[PartitionSpec]:
         """One spec per flat leaf: from in_specs, or read off explicitly sharded types."""
         if not self._infer:
-            return [_spec(s) for s in plan.shardings]
+            return [spec_of(s) for s in plan.shardings]
         manual = self._manual_axes(mesh)
         types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
         if wrong := sorted(a for a in manual if types[a] != AxisType.Explicit):
             raise TypeError(_errors.cannot_infer_specs("shard_map", wrong))
         return [
-            PartitionSpec(*(_manual_part(e, manual) for e in jax.typeof(leaf).sharding.spec))
+            PartitionSpec(*(manual_part(e, manual) for e in jax.typeof(leaf).sharding.spec))
             for leaf in leaves
         ]
 
     def _build(self, plan: CallPlan) -> Callable[..., Any]:
-        def outer(donated: list[Leaf], kept: list[Leaf]) -> tuple[Any, list[Leaf], list[Leaf]]:
-            if FAST_CALL.active:
-                raise NeedsTrace
+        @checked_on_fast_calls
+        def outer(donated: list[Leaf], kept: list[Leaf]) -> tuple[Any, Flat, Flat]:
             leaves = plan.join(donated, kept)
             mesh = self._mesh()
             self._check_out_specs(mesh)
             in_specs = self._in_specs(plan, leaves, mesh)
+            # Every input leaves laid out by its in_spec, as from flax's shard_map: those
+            # not laid out so yet come back even if unchanged (later calls move nothing).
+            unplaced = (
+                frozenset()
+                if self._infer
+                else frozenset(
+                    i
+                    for i in plan.state_indices
+                    if misplaced(leaves[i], in_specs[i], abstract(mesh))
+                )
+            )
             if not self._infer and AxisType.Explicit in mesh.axis_types:
                 # on Explicit axes jax.shard_map takes arguments already laid out by spec
                 leaves = [
@@ -289,7 +225,7 @@ class ShardMapFn(CachedCall[P, R]):
             def body(leaves: list[Leaf]) -> tuple[list[Leaf], Any]:
                 args, kwargs, call_leaves = merge_inputs(plan, leaves)
                 before = snapshots(call_leaves)
-                objects = _graph_objects(plan, call_leaves)
+                objects = graph_objects(plan, call_leaves)
                 split = split_inner(plan, call_leaves, before, self.fun(*args, **kwargs))
                 if not split.kept_structure:
                     wheres = changed_structure(plan, before)
@@ -300,14 +236,16 @@ class ShardMapFn(CachedCall[P, R]):
                             wheres,
                             "inside shard_map each device holds its own shard of a module",
                             "shard_map, before or after the call",
-                            _graph_changes(objects, _graph_objects(plan, call_leaves)),
+                            graph_changes(objects, graph_objects(plan, call_leaves)),
                         )
                     )
                 grouped, order = self._group(split)
                 changed = tuple(
                     i
                     for i in plan.state_indices
-                    if value_of(split.in_items[i]) is not leaves[i] or plan.donate[i]
+                    if value_of(split.in_items[i]) is not leaves[i]
+                    or plan.donate[i]
+                    or i in unplaced
                 )
                 found.append((split.out_plan(changed), order))
                 return [value_of(x) for x in split.in_items], grouped
@@ -333,14 +271,42 @@ class ShardMapFn(CachedCall[P, R]):
                     raise
                 raise type(e)(message).with_traceback(e.__traceback__) from None
             out_plan, order = found[-1]
-            out_flat: list[Leaf] = [None] * len(order)
-            for j, value in zip(order, jax.tree.leaves(grouped), strict=True):
-                out_flat[j] = value
-            return out_plan, [in_full[i] for i in out_plan.in_changed], out_flat
+            picked = frozenset(out_plan.in_changed)
+            changed = [x if i in picked else None for i, x in enumerate(in_full)]
+            return out_plan, Flat(changed, range(len(picked))), Flat(grouped, order)
 
         outer.__name__ = getattr(self.fun, "__name__", "fun")
         outer.__qualname__ = getattr(self.fun, "__qualname__", outer.__name__)
-        return jax.jit(outer, donate_argnums=0 if any(plan.donate) else ())
+        options: dict[str, Any] = {"donate_argnums": 0 if any(plan.donate) else ()}
+        if (out_shardings := self._out_shardings(plan)) is not None:
+            options["out_shardings"] = out_shardings
+        return jax.jit(outer, **options)
+
+    def _out_shardings(self, plan: CallPlan) -> Any:
+        """jit's out_shardings: for the output its out_specs, and for the inputs returned
+        their in_specs, as written, so that each keeps its spec's spelling (``P(None)``),
+        as from ``jax.shard_map`` itself (and flax's). Only where every axis of the mesh
+        is manual (otherwise jit chooses the rest), and for a mesh from the context, only
+        if one is set when the plan is first called."""
+        mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+        if mesh.empty or self._manual_axes(mesh) != frozenset(mesh.axis_names):
+            return None
+        self._check_out_specs(mesh)  # before jax's own check, which names no output
+
+        def on_mesh(spec: PartitionSpec) -> Any:
+            # PartitionSpecs alone: jit reads them on the mesh set with jax.set_mesh
+            return NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
+
+        def fit(specs: Sequence[Any]) -> bool:  # else jax.shard_map's error says which
+            known = {*mesh.axis_names, None}
+            return all(isinstance(s, PartitionSpec) and axes_of(s) <= known for s in specs)
+
+        specs = [] if self._infer else [spec_of(s) for s in plan.shardings]
+        inputs = Flat([on_mesh(s) for s in specs], ()) if specs and fit(specs) else None
+        outputs = self._out_prefix
+        if not fit(jax.tree.leaves(outputs)):
+            return None if inputs is None else (None, inputs, None)
+        return (None, inputs, Flat(jax.tree.map(on_mesh, outputs), ()))
 
     def _group(self, split: InnerSplit) -> tuple[Any, list[int]]:
         """The output leaves arranged to match ``out_specs``, and their flat order.
@@ -375,6 +341,9 @@ class ShardMapFn(CachedCall[P, R]):
                     else 0
                 )
                 per_leaf[k][group].append(j)
+        for k, entry in enumerate(split.out_entries):
+            if isinstance(entry, FromState) and per_leaf[k] is not None:
+                per_leaf[k] = as_state(entry, per_leaf[k], split.out_wheres[k])
         indices = jax.tree_util.tree_unflatten(split.out_treedef, per_leaf)
         values = [value_of(x) for x in split.out_items]
         return jax.tree.map(lambda j: values[j], indices), jax.tree.leaves(indices)
@@ -420,16 +389,24 @@ def shard_map(
 ) -> Any:
     """``jax.shard_map`` for functions of NNX graph nodes.
 
-    Inside ``f`` every module holds its per-device shards. Variable updates reach
-    the caller's Variables, laid out by each Variable's in-spec; shared references
-    and outputs that are input objects behave as in `jit`. The structure of input
-    modules must not change inside ``f``.
+    Inside ``f`` every module holds its per-device shards. Afterwards every input
+    Variable, updated or not, holds its array laid out by its in-spec (as with
+    flax's shard_map), so later calls move nothing; shared references and outputs
+    that are input objects behave as in `jit`. The structure of input modules must
+    not change inside ``f``. Outputs keep their out_specs as written (``P(None)``).
+
+    One case is not seen: with ``AxisType.Auto`` mesh axes, an input already on
+    the mesh but laid out otherwise stays so (its type does not show the layout, and
+    checking each array on every call would cost the fast path); the program then
+    moves it on each call.
 
     Args:
       f: the function; omit it to use ``shard_map(...)`` as a decorator factory.
-      out_specs: pytree prefix of the output; at a graph node a `StateSharding` of
-        PartitionSpecs (flax's ``nnx.StateSharding`` is converted into one), or one
-        PartitionSpec for all its Variables. None replicates.
+      out_specs: pytree prefix of the output (tuples, lists, dicts...); at a graph
+        node a `StateSharding` of PartitionSpecs (flax's ``nnx.StateSharding`` is
+        converted into one; so is a tree from ``nnx.prefix(model, {filter: spec})``,
+        and an ``nnx.State`` of specs, matched by exact path), or one PartitionSpec
+        for all its Variables. None replicates. A graph node in it is an error.
       in_specs: the same for the positional arguments (keyword arguments are
         replicated). None (the default) reads each argument's spec off its type,
         which needs every manual mesh axis to be ``AxisType.Explicit``.
