@@ -311,9 +311,14 @@ def _constrain(
         )
     if not split.kept_structure:
         return split.out_plan(None), in_flat, out_flat
-    # changed, resharded (constrained) or donated: the caller needs the new array
+    # changed, resharded (constrained) or donated: the caller needs the new array; and a
+    # value that is a container (a sown dict), which the function may change in place
     changed = tuple(
-        i for i in plan.state_indices if in_flat[i] is not in_leaves[i] or plan.donate[i]
+        i
+        for i in plan.state_indices
+        if in_flat[i] is not in_leaves[i]
+        or plan.donate[i]
+        or not isinstance(in_leaves[i], jax.Array)
     )
     if not all(isinstance(split.in_items[i], nnx.Variable) for i in changed):
         # an array attribute outside Variables was replaced: only a full merge sets it
