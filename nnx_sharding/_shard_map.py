@@ -17,6 +17,7 @@ modules, runs the function and splits the result again:
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Sequence, Set
 from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
@@ -102,6 +103,8 @@ class ShardMapFn(CachedCall[P, R]):
     ):
         if not callable(fun):
             raise TypeError(_errors.not_callable("shard_map", fun, "out_specs=P()"))
+        if inspect.ismethod(fun) and is_node(fun.__self__):
+            raise ValueError(_errors.bound_method("shard_map", type(fun.__self__).__name__))
         in_prefix, out_prefix = prefixes(
             "shard_map", in_specs, out_specs, names=("in_specs", "out_specs")
         )

@@ -491,3 +491,13 @@ def test_messages_carry_flax_words(mesh, case):
         messages.append(str(info.value))
     assert phrase in messages[0] and phrase in messages[1]
     assert messages[1].startswith("shard_map: ")  # ours, with the flax words added
+
+
+def test_a_bound_method_of_a_module_is_refused_as_in_flax():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    for shard_map in (nnx.shard_map, ns.shard_map):
+        with pytest.raises(ValueError, match="shard_map does not support bound methods"):
+            shard_map(model.__call__, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"))
+    with pytest.raises(ValueError, match=r"shard_map: f: a bound method of a graph node \(Linear"):
+        ns.shard_map(model.__call__, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"))

@@ -38,3 +38,19 @@ def wrong_trace_level(transform: str, wheres: Sequence[str]) -> str:
             "and nnx.merge it inside.",
         ],
     )
+
+
+def bound_method(transform: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        "f",
+        [f"a bound method of a graph node ({type_name})"],
+        "Rule: the module a method is bound to would be baked into the program as a "
+        "constant (its later updates ignored), and in_specs has no entry for it.",
+        [
+            f"decorate the method (@nnx_sharding.{transform}(...)) and give in_specs an "
+            "entry for self first;",
+            f"or call nnx_sharding.{transform}(MyClass.method, ...)(instance, ...).",
+        ],
+        flax=f"nnx.{transform} does not support bound methods",
+    )
