@@ -27,6 +27,7 @@ from flax import nnx
 from jax.extend.core import get_opaque_trace_state
 
 from . import _slots
+from ._boundary import host_callbacks
 from ._graph import (
     FAST_CALL,
     CallPlan,
@@ -34,7 +35,6 @@ from ._graph import (
     Leaf,
     NeedsTrace,
     OutPlan,
-    host_callbacks,
     partition_args,
 )
 from ._sharding import is_node

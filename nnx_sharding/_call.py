@@ -15,13 +15,12 @@ import jax
 from flax import nnx
 from jax.core import Tracer
 
+from ._boundary import call_flat, check_writable
 from ._cache import CacheKey, Entry, PlanState, fast_call, remember
 from ._graph import (
     TAG,
     CallPlan,
     CallSpec,
-    call_flat,
-    check_writable,
     merge_abstract,
     merge_call,
     split_call,

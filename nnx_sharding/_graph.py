@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple, TypeAlias
@@ -28,9 +27,6 @@ from typing import Any, NamedTuple, TypeAlias
 import jax
 import numpy as np
 from flax import nnx
-from flax.errors import TraceContextError
-from jax.core import Tracer
-from jax.sharding import AbstractMesh, Mesh
 from jax.tree_util import DictKey, SequenceKey, keystr
 
 from . import _errors
@@ -39,9 +35,7 @@ from ._sharding import (
     broadcast_prefix,
     check_leaf_entries,
     format_path,
-    incompatible_shardings,
     is_node,
-    mismatched_shardings,
     variable_shardings,
 )
 from ._snapshot import Structure, Uncacheable
@@ -434,76 +428,6 @@ def changed_structure(plan: CallPlan, before: list[Structure] | None) -> list[st
     return [w for w, s in zip(wheres, before, strict=True) if not s.fresh()]
 
 
-def call_flat(
-    fn: Callable[..., Any],
-    plan: CallPlan,
-    leaves: Sequence[Leaf],
-    sites: Sequence[Site],
-    mesh: Mesh | AbstractMesh | None = None,
-) -> Any:
-    """Calls a jax-level function (jitted, traced or compiled) on the flat leaves.
-
-    jax's errors about one flat argument (``kept[3]``), a deleted (donated) buffer or
-    a committed argument on another sharding are re-raised naming the caller's
-    arguments and Variable paths instead. ``mesh`` is the one specs refer to (None:
-    the context mesh).
-    """
-    try:
-        return fn(*plan.partition(leaves))
-    except (ValueError, TypeError, RuntimeError) as e:
-        spec = plan.spec
-        if deleted := deleted_leaves(e, leaves):
-            message = _errors.deleted_buffers(
-                spec.transform, [str(sites[i]) for i in deleted], str(e)
-            )
-            raise RuntimeError(message).with_traceback(e.__traceback__) from None
-        if isinstance(e, RuntimeError):
-            raise
-        message = _errors.name_leaves(str(e), *plan.partition(sites))
-        if message == str(e):
-            if wrong := incompatible_shardings(leaves, plan.shardings, sites, mesh):
-                message = _errors.bad_shardings(spec.transform, spec.in_name, wrong, str(e))
-            elif "does not match the sharding" in str(e) and (
-                moved := mismatched_shardings(leaves, plan.shardings, sites, mesh)
-            ):
-                message = _errors.sharding_mismatch(spec.transform, spec.in_name, moved)
-            else:
-                raise
-        raise type(e)(message).with_traceback(e.__traceback__) from None
-
-
-CALLBACKS = frozenset({"debug_callback", "io_callback", "pure_callback"})
-"""The primitives that run Python when the program runs."""
-
-
-def host_callbacks(jaxpr: Any) -> bool:
-    """Whether a ``jax.extend.core.Jaxpr``, its sub-jaxprs included, has a host callback."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in CALLBACKS:
-            return True
-        for param in eqn.params.values():
-            for value in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's, or a Jaxpr
-                if hasattr(inner, "eqns") and host_callbacks(inner):
-                    return True
-    return False
-
-
-_DELETED = re.compile(r"(Array|Buffer) has been deleted")
-
-
-def deleted_leaves(error: BaseException, leaves: Sequence[Leaf]) -> list[int]:
-    """The indices of the deleted arrays among ``leaves``, if ``error`` is jax's
-    complaint about one (else none): called on the error path only."""
-    if not isinstance(error, (ValueError, RuntimeError)) or not _DELETED.search(str(error)):
-        return []
-    return [
-        i
-        for i, x in enumerate(leaves)
-        if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted()
-    ]
-
-
 def full_inputs(
     out_plan: OutPlan, leaves: Sequence[Leaf], in_flat: Sequence[Leaf]
 ) -> Sequence[Leaf]:
@@ -521,31 +445,13 @@ def _merge(ctx: Any, out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Seque
     return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
 
 
-def check_writable(transform: str, items: Sequence[Any], sites: Sequence[Site]) -> None:
-    """Raises flax's ``TraceContextError`` before anything is written if a Variable
-    among ``items`` cannot be written at the current trace level (our call runs inside
-    an outer ``jax.jit``/``jax.grad`` over a module it closes over).
-
-    Each Variable is written its own value: flax's own check, and otherwise a no-op.
-    """
-    wrong = []
-    for item, site in zip(items, sites, strict=True):
-        if isinstance(item, nnx.Variable):
-            try:
-                item.set_raw_value(item.get_raw_value())
-            except TraceContextError:
-                wrong.append(str(site))
-    if wrong:
-        raise TraceContextError(_errors.wrong_trace_level(transform, wrong))
-
-
 def merge_call(
     leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
 ) -> Any:
     """Step 4 (outside): write updates into the caller's objects, build the output.
 
     ``leaves`` are the flat leaves the call was made with. Every Variable of the
-    inputs is written, as flax writes them: `check_writable` first.
+    inputs is written, as flax writes them: `_boundary.check_writable` first.
     """
     with nnx.merge_context(TAG, inner=False) as ctx:
         return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)

@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 
 from . import _errors
+from ._boundary import call_flat, check_writable, host_callbacks
 from ._cache import CacheKey, Entry, PlanState, fast_call, remember
 from ._changes import compiled_differences
 from ._graph import (
@@ -25,10 +26,7 @@ from ._graph import (
     CallPlan,
     Leaf,
     Site,
-    call_flat,
-    check_writable,
     chunks,
-    host_callbacks,
     merge_abstract,
     merge_call,
     split_call,
