@@ -55,14 +55,16 @@ def is_prefix_leaf(x: Any) -> bool:
 
 
 @functools.cache
-def _tree_state_type() -> type:
+def _tree_state_type() -> type | None:
     """The type of what ``nnx.prefix`` returns for a graph node (flax's ``TreeState``),
-    found through that public function."""
-    return type(nnx.prefix(nnx.Dict(), {...: None}, graph=True))
+    found through that public function; None on a flax without it (before 0.12.8)."""
+    prefix = getattr(nnx, "prefix", None)
+    return None if prefix is None else type(prefix(nnx.Dict(), {...: None}, graph=True))
 
 
 def _is_tree_state(x: Any) -> bool:
-    return isinstance(x, _tree_state_type())
+    kind = _tree_state_type()
+    return kind is not None and isinstance(x, kind)
 
 
 def _is_given_leaf(x: Any) -> bool:
