@@ -1,8 +1,10 @@
-"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `bench`.
+"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `bench`, `fuzz`.
 
 `nox` alone runs tests, lint and typecheck. `nox -s tests` runs the suite once per
 flax version of `FLAX_VERSIONS`; pick one with e.g. `nox -s "tests(flax='newest')"`.
 """
+
+import os
 
 import nox
 from nox.command import CommandFailed
@@ -30,6 +32,16 @@ def tests(session: nox.Session, flax: str) -> None:
     session.install("--upgrade", FLAX_VERSIONS[flax])
     session.run("python", "-c", "import flax; print('flax', flax.__version__)")
     session.run("pytest", "-n", "2", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """The fast path's stateful fuzz (tests/test_fuzz.py) with many more examples than the
+    suite runs (500): 20000, or NNX_SHARDING_FUZZ_EXAMPLES. About 1-2 hours on one core."""
+    session.install("-e", ".[test]")
+    examples = os.environ.get("NNX_SHARDING_FUZZ_EXAMPLES", "20000")
+    env = {"NNX_SHARDING_FUZZ_EXAMPLES": examples}
+    session.run("pytest", "tests/test_fuzz.py", *session.posargs, env=env)
 
 
 @nox.session
