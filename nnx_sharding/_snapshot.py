@@ -63,13 +63,10 @@ class Snapshot:
                 raise Uncacheable(type(obj).__name__)
             else:  # a pytree that is no graph node: its fields may be set in place
                 self._pytrees.append((obj, *_children(obj)))
-        # Each Variable's metadata: its live dict, whose contents are then checked with
-        # the containers' (`_slots`); else copies, compared by value.
-        self._direct = _slots.DIRECT
-        self._read_metadata = _slots.metadata_dict if self._direct else _metadata
-        self._metadata = [*map(self._read_metadata, self._variables)]
-        if self._direct:
-            self._dicts += self._metadata
+        # Each Variable's metadata, compared by value with a copy taken now: read as the
+        # live dict (`_slots`), else as flax's copy of it.
+        self._read_metadata = _slots.metadata_dict if _slots.DIRECT else _metadata
+        self._metadata = [dict(m) for m in map(self._read_metadata, self._variables)]
         self._keys, self._values = self._read()
         self._skip = [i for i, key in enumerate(self._keys) if key in BOOKKEEPING]
 
@@ -99,11 +96,8 @@ class Snapshot:
             now_treedef, now = _children(obj)
             if now_treedef != treedef or not all(map(is_, now, children)):
                 return False
-        metadata = [*map(self._read_metadata, self._variables)]
-        if self._direct:  # the same dicts (their contents are checked with the containers)
-            return all(map(is_, metadata, self._metadata))
         try:  # equal metadata is the same graph definition (flax compares it so)
-            return metadata == self._metadata
+            return [*map(self._read_metadata, self._variables)] == self._metadata
         except Exception:  # noqa: BLE001 - a value whose == is not a bool (an array)
             return False
 
