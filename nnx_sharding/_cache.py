@@ -9,9 +9,10 @@ in every mutable container (module ``__dict__``, lists, dicts, States) of the gr
 A call takes the fast path (`fast_call`) only when the trace that jax will reuse
 reported no structure change (`OutPlan.fast`), at the jax trace level the split was
 cached at (outside any jax transform, where its Variables may be written). Should
-jax need a new trace during a fast call (new shapes, say), the inner function raises
-`NeedsTrace` before anything runs and the call is redone on the full protocol. `_call.CachedCall`
-(every transform) and `_stages.Compiled` call through here.
+jax need a new trace during a fast call (new shapes, say), the trace runs to its end
+and raises `NeedsTrace` if its plan is not fast (`_graph.checked_on_fast_calls`),
+before the program runs; the call is then redone on the full protocol.
+`_call.CachedCall` (every transform) and `_stages.Compiled` call through here.
 """
 
 from __future__ import annotations
