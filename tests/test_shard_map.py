@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_flax_prefix_check, needs_nnx_prefix
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -392,6 +393,7 @@ def test_output_specs_are_kept_as_written_as_in_flax(mesh, spec):
         assert str(f(x).sharding.spec) == str(spec)
 
 
+@needs_nnx_prefix
 def test_nnx_prefix_as_in_and_out_specs_as_in_flax(mesh):
     """``nnx.prefix(model, {filter: spec})`` stands for the module it was made of, as a
     StateSharding does (flax takes it with graph_updates=False)."""
@@ -451,6 +453,7 @@ def test_state_of_specs_above_a_module(mesh):
         wrong(model)
 
 
+@needs_flax_prefix_check
 @pytest.mark.parametrize("argument", ["in_specs", "out_specs"])
 def test_graph_node_as_specs_is_rejected_when_wrapped_as_in_flax(mesh, argument):
     options = {"in_specs": (P(),), "out_specs": P(), argument: nnx.Dict(a=P())}

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_flax_prefix_check, needs_nnx_prefix
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -553,6 +554,7 @@ NNX_PREFIX = {nnx.PathContains("kernel"): named(None, "model"), ...: named("mode
 LINEAR_SPECS = {("kernel",): P(None, "model"), ("bias",): P("model")}
 
 
+@needs_nnx_prefix
 def test_nnx_prefix_as_in_and_out_shardings_as_in_flax():
     """``nnx.prefix(model, {filter: sharding})`` stands for that module as the
     StateSharding of the same mapping does."""
@@ -599,6 +601,7 @@ def test_state_of_shardings_above_a_module():
         ("in_shardings", (nnx.Param(P()),), "Variables prefixes are not supported"),
     ],
 )
+@needs_flax_prefix_check
 def test_graph_node_as_prefix_is_rejected_when_wrapped_as_in_flax(option, prefix, words):
     with pytest.raises(ValueError, match=words):
         nnx.jit(lambda m: m, **{option: prefix})

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from conftest import needs_nnx_prefix
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -426,6 +427,7 @@ def test_shard_map_inside_flax_jit_and_flax_shard_map_inside_ours():
 # nnx.prefix as in_specs: flax's default (graph updates on) rejects it; ours accepts it
 
 
+@needs_nnx_prefix
 def test_prefix_in_specs_like_the_equivalent_state_sharding():
     # issue 15, B.12: ours with nnx.prefix(...) must do what flax does with the same rules
     # as an nnx.StateSharding; flax's own nnx.shard_map refuses the prefix (ValueError).

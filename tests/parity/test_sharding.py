@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from conftest import needs_flax_prefix_check, needs_nnx_prefix
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -214,6 +215,7 @@ def test_new_attribute_added_inside_with_in_shardings():
 # 3. prefixes built by nnx.prefix, and graph nodes as prefixes
 
 
+@needs_nnx_prefix
 def test_prefix_in_shardings_like_the_equivalent_state_sharding():
     # issue 15, B.12: flax's nnx.jit (graph updates on, its default) refuses nnx.prefix
     # with a ValueError; ours accepts it. Compared with flax given the same rules as a
@@ -234,6 +236,7 @@ def test_prefix_in_shardings_like_the_equivalent_state_sharding():
         nnx.jit(forward, in_shardings=(nnx.prefix(model, rules), None))(model, X8)
 
 
+@needs_nnx_prefix
 def test_prefix_of_specs_under_a_mesh_context():
     rules = {nnx.PathContains("kernel"): P(None, "b"), ...: P()}
 
@@ -249,6 +252,7 @@ def test_prefix_of_specs_under_a_mesh_context():
     parity(scenario)
 
 
+@needs_flax_prefix_check
 def test_graph_node_as_a_prefix_is_an_error_when_wrapped():
     # issue 15, B.12: a ValueError with flax's words
     def scenario(impl, log):
