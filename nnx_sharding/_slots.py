@@ -41,7 +41,7 @@ def _slot(variable: nnx.Variable[Any], name: str) -> Any:
 def _probe() -> bool:
     """Whether flax's Variable keeps its metadata and value as this module expects."""
     try:
-        variable = nnx.Variable(0.0)
+        variable: nnx.Variable[Any] = nnx.Variable(0.0)
         metadata = _slot(variable, _METADATA)
         if type(metadata) is not dict or metadata != variable.get_metadata():
             return False
