@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
@@ -420,6 +420,35 @@ def split_inner(
     )
 
 
+def changed_inputs(
+    plan: CallPlan,
+    items: Sequence[Any],
+    values: Sequence[Leaf],
+    leaves: Sequence[Leaf],
+    also: Collection[int] = (),
+) -> tuple[int, ...] | None:
+    """The flat inputs the caller needs back from a call that kept the graphs' structure
+    (``OutPlan.in_changed``), at trace time: ``items`` are the inputs' objects after the
+    call, ``values`` the values the call returns for them, ``leaves`` those it received.
+
+    An input comes back when its value changed, was donated (new buffers) or is in
+    ``also`` (resharded, say), and when it is a container (a dict `Module.sow` fills),
+    which the function may change in place. None when one of them is an array held
+    outside Variables: only a full merge sets it (`merge_call`).
+    """
+    changed = tuple(
+        i
+        for i in plan.state_indices
+        if values[i] is not leaves[i]
+        or plan.donate[i]
+        or i in also
+        or not isinstance(leaves[i], jax.Array)
+    )
+    if not all(isinstance(items[i], nnx.Variable) for i in changed):
+        return None
+    return changed
+
+
 def changed_structure(plan: CallPlan, before: list[Structure] | None) -> list[str]:
     """The arguments whose graph structure the call changed (all, if unknown)."""
     wheres = [w for w, g in zip(plan.wheres, plan.graphdefs, strict=True) if g is not None]
@@ -461,6 +490,11 @@ def merge_abstract(
     leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
 ) -> Any:
     """Like `merge_call` but into new objects: for abstract (shape-only) outputs."""
-    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]
+    leaves = abstract(leaves)
     with nnx.merge_context() as ctx:
         return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)
+
+
+def abstract(leaves: Sequence[Leaf]) -> list[Leaf]:
+    """Each array (or aval) as a ``jax.ShapeDtypeStruct``; other leaves as they are."""
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]

@@ -16,6 +16,7 @@ from ._graph import (
     CallSpec,
     InnerSplit,
     Leaf,
+    changed_inputs,
     checked_on_fast_calls,
     chunks,
     merge_inputs,
@@ -135,8 +136,8 @@ class JitWrapped(CachedCall[P, R]):
     ):
         if not callable(fun):
             raise TypeError(_errors.not_callable("jit", fun))
-        owner = getattr(fun, "__self__", None) if inspect.ismethod(fun) else None
-        if owner is not None and is_node(owner):  # a bound method: its module is args[0]
+        owner = fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
+        if owner is not None:  # a bound method of a graph node: the node is args[0]
             fun = fun.__func__  # type: ignore[attr-defined]
             static_argnums, donate_argnums = _shift(static_argnums), _shift(donate_argnums)
         argnums = dict(
@@ -158,7 +159,7 @@ class JitWrapped(CachedCall[P, R]):
             out_shardings=accept_flax(out_shardings),
         )
         super().__init__(fun, spec)
-        if owner is not None and is_node(owner):
+        if owner is not None:
             self._bound = (owner,)
         self._jit_options = dict(
             keep_unused=keep_unused,
@@ -311,17 +312,9 @@ def _constrain(
         )
     if not split.kept_structure:
         return split.out_plan(None), in_flat, out_flat
-    # changed, resharded (constrained) or donated: the caller needs the new array; and a
-    # value that is a container (a sown dict), which the function may change in place
-    changed = tuple(
-        i
-        for i in plan.state_indices
-        if in_flat[i] is not in_leaves[i]
-        or plan.donate[i]
-        or not isinstance(in_leaves[i], jax.Array)
-    )
-    if not all(isinstance(split.in_items[i], nnx.Variable) for i in changed):
-        # an array attribute outside Variables was replaced: only a full merge sets it
+    # changed, resharded (constrained) or donated: the caller needs the new array
+    changed = changed_inputs(plan, split.in_items, in_flat, in_leaves)
+    if changed is None:
         return split.out_plan(None), in_flat, out_flat
     return split.out_plan(changed), [in_flat[i] for i in changed], out_flat
 

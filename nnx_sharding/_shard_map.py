@@ -35,6 +35,7 @@ from ._graph import (
     CallSpec,
     InnerSplit,
     Leaf,
+    changed_inputs,
     changed_structure,
     checked_on_fast_calls,
     merge_inputs,
@@ -243,15 +244,10 @@ class ShardMapFn(CachedCall[P, R]):
                         )
                     )
                 grouped, order = self._group(split)
-                changed = tuple(
-                    i
-                    for i in plan.state_indices
-                    if value_of(split.in_items[i]) is not leaves[i]
-                    or plan.donate[i]
-                    or i in unplaced
-                )
+                values = [value_of(x) for x in split.in_items]
+                changed = changed_inputs(plan, split.in_items, values, leaves, unplaced)
                 found.append((split.out_plan(changed), order))
-                return [value_of(x) for x in split.in_items], grouped
+                return values, grouped
 
             body.__name__ = getattr(self.fun, "__name__", "fun")
             body.__qualname__ = getattr(self.fun, "__qualname__", body.__name__)
@@ -274,7 +270,8 @@ class ShardMapFn(CachedCall[P, R]):
                     raise
                 raise type(e)(message).with_traceback(e.__traceback__) from None
             out_plan, order = found[-1]
-            picked = frozenset(out_plan.in_changed)
+            every = out_plan.in_changed is None  # a full merge takes every input back
+            picked = frozenset(range(len(in_full)) if every else out_plan.in_changed)
             changed = [x if i in picked else None for i, x in enumerate(in_full)]
             return out_plan, Flat(changed, range(len(picked))), Flat(grouped, order)
 

@@ -504,3 +504,24 @@ def test_a_bound_method_of_a_module_is_refused_as_in_flax():
             shard_map(model.__call__, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"))
     with pytest.raises(ValueError, match=r"shard_map: f: a bound method of a graph node \(Linear"):
         ns.shard_map(model.__call__, mesh=mesh, in_specs=(P("x"),), out_specs=P("x"))
+
+
+def test_a_plain_array_attribute_updated_inside_is_written_back_as_in_flax():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.count = jnp.array(0)  # outside any Variable
+            self.w = nnx.Param(jnp.ones(2))
+
+    def bump(c):
+        c.count += 1
+        return c.w[...]
+
+    counts = []
+    for shard_map in (nnx.shard_map, ns.shard_map):
+        counter, f = Counter(), shard_map(bump, mesh=mesh, in_specs=(P(),), out_specs=P())
+        for _ in range(3):
+            f(counter)
+        counts.append(int(counter.count))
+    assert counts == [3, 3]
