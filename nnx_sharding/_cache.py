@@ -214,9 +214,11 @@ class Entry:
     def arguments(self, call_leaves: list[Any]) -> tuple[list[Leaf], list[Leaf]] | None:
         """The jitted function's ``(donated, kept)`` for this call; None when a Variable
         holds a numpy array (set since the last call): the full path converts it."""
-        sources = [*map(self._read, self.variables), *call_leaves, *self.constants]
-        if np.ndarray in {*map(type, sources[: len(self.variables)])}:
+        sources = [*map(self._read, self.variables)]
+        if np.ndarray in {*map(type, sources)}:
             return None
+        sources += call_leaves
+        sources += self.constants
         return self.pick_donated(sources), self.pick_kept(sources)
 
     def merge(self, out_plan: OutPlan, changed: list[Leaf], out_flat: list[Leaf]) -> Any:

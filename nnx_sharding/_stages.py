@@ -26,6 +26,7 @@ from ._graph import (
     CallPlan,
     Leaf,
     Site,
+    abstract,
     chunks,
     merge_abstract,
     merge_call,
@@ -40,9 +41,8 @@ if TYPE_CHECKING:
 
 def _abstract_nodes(plan: CallPlan, leaves: Sequence[Any]) -> list[Any]:
     """The call's graph nodes rebuilt from ``plan`` with abstract leaves (None for arrays)."""
-    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]
     with nnx.merge_context() as ctx:
-        nodes = unflatten_all(ctx, plan.graphdefs, leaves, plan.sizes)
+        nodes = unflatten_all(ctx, plan.graphdefs, abstract(leaves), plan.sizes)
     return [n if g is not None else None for n, g in zip(nodes, plan.graphdefs, strict=True)]
 
 
@@ -140,10 +140,13 @@ class _Stage:
     @property
     def out_info(self) -> Any:
         """See `jax.stages.Traced.out_info`; graph nodes as abstract modules."""
+        return merge_abstract(self._in_avals(), *self._jax.out_info)
+
+    def _in_avals(self) -> list[Any]:
+        """The avals of the flat leaves the program takes, in the plan's order."""
         avals = jax.tree_util.tree_leaves(self._jax.in_avals)
         n_donated = sum(self._plan.donate)
-        leaves = self._plan.join(avals[:n_donated], avals[n_donated:])
-        return merge_abstract(leaves, *self._jax.out_info)
+        return self._plan.join(avals[:n_donated], avals[n_donated:])
 
     @property
     def in_tree(self) -> PyTreeDef:
@@ -309,12 +312,9 @@ class Compiled(_Stage):
             if done:
                 return result
             plan, leaves, sites, items = split_call(spec, call_args, kwargs)
-            avals = jax.tree_util.tree_leaves(self._jax.in_avals)
             wrong = []
             if plan != self._plan:
-                n_donated = sum(self._plan.donate)
-                compiled_leaves = self._plan.join(avals[:n_donated], avals[n_donated:])
-                wrong = _differences(plan, self._plan, leaves, compiled_leaves)
+                wrong = _differences(plan, self._plan, leaves, self._in_avals())
             donated, kept = plan.partition(leaves)
             types = not wrong
             if not wrong:
@@ -322,7 +322,7 @@ class Compiled(_Stage):
                 wrong = _aval_differences(
                     [*donated, *kept],
                     [*donated_sites, *kept_sites],
-                    avals,
+                    jax.tree_util.tree_leaves(self._jax.in_avals),
                 )
             if wrong:
                 raise TypeError(_errors.structure_mismatch(spec.transform, wrong, types))
