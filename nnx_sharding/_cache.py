@@ -202,7 +202,7 @@ class Entry:
             _picker(idx, n_sources) for idx in plan.partition(source_of)
         )
         self._read = _slots.value_reader()
-        self._setters: tuple[OutPlan | None, list[Callable[[Leaf], None]]] = (None, [])
+        self._writer: tuple[OutPlan, Callable[[list[Leaf]], None]] | None = None
 
     def valid(self, roots: list[Any]) -> bool:
         """Same objects as when cached, with the same structure."""
@@ -224,10 +224,10 @@ class Entry:
     def merge(self, out_plan: OutPlan, changed: list[Leaf], out_flat: list[Leaf]) -> Any:
         """Writes the changed Variables back and builds the output."""
         assert out_plan.in_changed is not None and out_plan.out_sources is not None
-        if self._setters[0] is not out_plan:  # one OutPlan object per trace
-            self._setters = (out_plan, [_slots.setter(self.items[i]) for i in out_plan.in_changed])
-        for set_value, value in zip(self._setters[1], changed, strict=True):
-            set_value(value)
+        if self._writer is None or self._writer[0] is not out_plan:  # one OutPlan a trace
+            changed_vars = [self.items[i] for i in out_plan.in_changed]
+            self._writer = (out_plan, _slots.writer(changed_vars))
+        self._writer[1](changed)
         outputs = iter(out_flat)
         roots = [ref() for ref in self.roots]
         out_leaves = [

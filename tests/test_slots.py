@@ -84,3 +84,14 @@ def test_an_overridden_set_raw_value_is_called_on_the_fast_path(monkeypatch, dir
         bump(module)
     assert module.w[...].tolist() == [4.0, 4.0]
     assert [w.tolist() for w in WRITES][-3:] == [[2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]
+
+
+def test_a_writer_writes_plain_variables_through_the_slots_and_others_through_set_raw_value():
+    plain, special = nnx.Param(jnp.zeros(2)), Recorded(jnp.zeros(2))
+    WRITES.clear()
+    _slots.writer([plain])([jnp.ones(2)])
+    assert plain[...].tolist() == [1.0, 1.0] and WRITES == []
+    _slots.writer([plain, special])([jnp.full(2, 2.0), jnp.full(2, 3.0)])
+    assert plain[...].tolist() == [2.0, 2.0] and [w.tolist() for w in WRITES] == [[3.0, 3.0]]
+    with pytest.raises(ValueError, match="1 values for 2 Variables"):
+        _slots.writer([plain, nnx.Param(jnp.zeros(2))])([jnp.ones(2)])
