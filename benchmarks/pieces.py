@@ -1,0 +1,146 @@
+"""Where a fast call's time goes: each piece of `nnx_sharding.jit`'s fast path, timed alone.
+
+The no-op step of `overhead.py` (the graph-overhead MLP with `nnx.Optimizer(sgd)`) is jitted
+and warmed up; then each piece of `_cache.fast_call` runs on its own, in the order a call runs
+them, beside the whole call and floor (b) (a flat `jax.jit` over the same arrays, returning the
+changed one). Each figure is the median over --rounds interleaved rounds (every piece once per
+round) of the mean of a block of calls, with min and max.
+
+It also times the cheapest exact primitives CPython offers for the snapshot's checks, on the
+same containers: gathering every container value into a list, their identity against a flat
+list (``all(map(is_, ...))``), the list of keys (one C-level list comparison) and every
+Variable's metadata against a copy. Their sum is a lower bound of the checks in pure Python,
+whatever their design; with jax's dispatch of the arrays (which floor (b) pays too) it bounds
+the fast call from below.
+
+This reads the package's private modules (`_cache`, `_snapshot`): it measures them.
+
+Run:  python benchmarks/pieces.py [--depth 100] [--rounds 11] [--out DIR]
+Writes pieces-depth<D>.json to benchmarks/results/ (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from itertools import chain
+from operator import is_
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead  # noqa: E402  (the model, the steps and the floors)
+
+import nnx_sharding  # noqa: E402
+from nnx_sharding import _cache, _slots  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_S = 0.05
+
+
+def block(fn: Callable[[], Any], calls: int) -> float:
+    """The mean time of ``calls`` back-to-back calls of ``fn``, in µs, with the arrays the
+    last call returned ready (jax dispatches asynchronously)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = fn()
+    jax.block_until_ready(out)
+    return 1e6 * (time.perf_counter() - t0) / calls
+
+
+def pieces(depth: int) -> dict[str, Callable[[], Any]]:
+    """The pieces of one fast call of the no-op step at ``depth``, each a thunk."""
+    spec = overhead.STEPS["noop"]
+    x_np = np.linspace(0, 1, 100)[:, None]
+    x, y = jnp.asarray(x_np), jnp.asarray(0.8 * x_np**2 + 0.1)
+    model, opt = overhead.make_model(depth)
+    f = nnx_sharding.jit(spec.fn)
+    for _ in range(3):
+        f(model, opt, x, y)
+    (entry,) = f._entries.values()
+    args = (model, opt, x, y)
+    key, leaves, roots = _cache.fast_key(f._spec, args, {})
+    snapshot = entry.snapshot
+    arguments = entry.arguments(leaves)
+    assert arguments is not None
+    out = entry.state.jitted(*arguments)
+    floor = overhead.VARIANTS["floor (b)"](spec, *overhead.make_model(depth), x, y)
+    # The cheapest exact primitives for the same checks.
+    dicts = snapshot._dicts
+    values = [*chain.from_iterable(map(dict.values, dicts))]
+    saved = list(values)
+    keys = [*chain.from_iterable(dicts)]
+    saved_keys = list(keys)
+    metadata = [*map(_slots.metadata_dict, snapshot._variables)]
+    copies = [dict(m) for m in metadata]
+
+    def quiet(fn: Callable[[], Any]) -> Callable[[], None]:
+        return lambda: (fn(), None)[1]  # nothing for `block` to wait on
+
+    return {
+        "whole call": lambda: (f(*args), model.count.get_raw_value())[1],
+        "cache key": quiet(lambda: _cache.fast_key(f._spec, args, {})),
+        "container check": snapshot._containers_fresh,
+        "metadata and pytree check": snapshot._leaves_fresh,
+        "trace state": quiet(_cache.trace_state),
+        "reading the arguments": quiet(lambda: entry.arguments(leaves)),
+        "jax dispatch": lambda: entry.state.jitted(*arguments),
+        "write-back and output": lambda: entry.merge(*out),
+        "floor (b)": lambda: (floor.call(), floor.sync())[1],
+        "bound: gather the values": quiet(lambda: [*chain.from_iterable(map(dict.values, dicts))]),
+        "bound: values' identity": lambda: all(map(is_, values, saved)),
+        "bound: keys (list ==)": lambda: [*chain.from_iterable(dicts)] == saved_keys,
+        "bound: metadata (list ==)": lambda: (
+            [*map(_slots.metadata_dict, snapshot._variables)] == copies
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--depth", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    thunks = pieces(args.depth)
+    calls = {name: max(5, round(BLOCK_S / (block(fn, 5) / 1e6))) for name, fn in thunks.items()}
+    times: dict[str, list[float]] = {name: [] for name in thunks}
+    for _ in range(args.rounds):
+        for name, fn in thunks.items():
+            times[name].append(block(fn, calls[name]))
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    table = Table(title=f"fast call of the no-op step, depth {args.depth}: µs (median, min-max)")
+    for column in ("piece", "µs", "spread"):
+        table.add_column(column, justify="left" if column == "piece" else "right")
+    for name, ts in times.items():
+        table.add_row(name, f"{median[name]:,.1f}", f"{min(ts):,.1f}-{max(ts):,.1f}")
+    console = Console()
+    console.print(table)
+    bound = sum(v for name, v in median.items() if name.startswith("bound:"))
+    dispatch = median["jax dispatch"]  # what floor (b) pays too: jax's dispatch of the arrays
+    console.print(
+        f"The checks cannot cost less than {bound:,.1f} µs in pure Python: a fast call costs at "
+        f"least jax's dispatch ({dispatch:,.1f} µs) plus that, {1 + bound / dispatch:.2f}x the "
+        f"dispatch. Whole call: {median['whole call'] / dispatch:.2f}x the dispatch."
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"pieces-depth{args.depth}.json"
+    report = {"depth": args.depth, "rounds": args.rounds, "us": times, "median_us": median}
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
