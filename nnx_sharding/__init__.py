@@ -1,4 +1,11 @@
-"""nnx_sharding: lifted ``jax.jit`` and shardings for Flax NNX graph nodes."""
+"""nnx_sharding: lifted ``jax.jit`` and shardings for Flax NNX graph nodes.
+
+``nnx_sharding.checkpoint`` (save and restore on orbax) is imported on first use, so
+that importing the package does not import orbax.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._export import Exported as Exported
 from ._export import deserialize as deserialize
@@ -38,3 +45,13 @@ __all__ = [
     "visualize_sharding",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from . import checkpoint as checkpoint
+
+
+def __getattr__(name: str) -> Any:
+    """``nnx_sharding.checkpoint``, imported on first access (it imports orbax)."""
+    if name == "checkpoint":
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,10 +4,11 @@ A message names the transform and the argument, says what was found and where
 (a ``jax.tree_util.keystr`` path), states the rule, then lists numbered fixes
 (`format_message`). The builders are split by who raises them: the transforms
 (`_transforms`, and `_prefixes` for sharding prefixes), those about the caller's
-objects (`_objects`) and the tools around them (`_tools`); call sites use
-``_errors.<builder>``.
+objects (`_objects`), the tools around them (`_tools`) and checkpoints
+(`_checkpoint`); call sites use ``_errors.<builder>``.
 """
 
+from ._checkpoint import *  # noqa: F403
 from ._layout import format_message as format_message
 from ._objects import *  # noqa: F403
 from ._prefixes import *  # noqa: F403

@@ -1,0 +1,275 @@
+"""Messages of `nnx_sharding.checkpoint`: save, restore and the Manager (issue 17)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._layout import _a, format_message
+
+
+def _listing(names: Sequence[str], at_most: int = 8) -> str:
+    shown = ", ".join(names[:at_most])
+    return shown + (f" and {len(names) - at_most} more" if len(names) > at_most else "")
+
+
+def not_savable(transform: str, argument: str, problems: Sequence[str]) -> str:
+    """The tree given to save holds something other than graph nodes of arrays."""
+    return format_message(
+        transform,
+        argument,
+        list(problems),
+        "Rule: the tree is a pytree (a module, a tuple, a dict, ...) of graph nodes "
+        "(Modules, Optimizers, Rngs, nnx.Dict/nnx.List) whose Variables hold concrete "
+        "arrays; the checkpoint holds their whole `nnx.state`, by path.",
+        [
+            "pass the modules themselves, e.g. `save(path, (model, optimizer))`;",
+            "hold a plain Python value in a Variable as an array, e.g. "
+            "`nnx.Variable(jnp.asarray(3))`, or keep it out of Variables;",
+            "to save an abstract model (`nnx.eval_shape`), give it values first, e.g. with "
+            "`checkpoint.restore` or by building it for real.",
+        ],
+    )
+
+
+def checkpoint_exists(transform: str, directory: str, step: int | None = None) -> str:
+    what = f"step {step} already exists in {directory}" if step is not None else directory
+    found = (
+        f"the checkpoint {what}" if step is not None else f"a checkpoint already exists at {what}"
+    )
+    return format_message(
+        transform,
+        "directory" if step is None else "step",
+        [found],
+        "Rule: a save never replaces an existing checkpoint unless asked to, so that a "
+        "mistyped path cannot destroy a good checkpoint.",
+        [
+            "pass `force=True` to replace it;",
+            "or save elsewhere: a new directory"
+            + (", or a new step number." if step is not None else "."),
+        ],
+    )
+
+
+def overwrite_foreign(transform: str, directory: str, found: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "directory",
+        [
+            f"{directory} exists and holds {_listing(list(found))}, which is not a "
+            "checkpoint written by nnx_sharding.checkpoint"
+        ],
+        "Rule: save writes into a new or empty directory; `force=True` replaces a "
+        "checkpoint, never a directory of other files (it would delete them).",
+        [
+            "save into a new directory, e.g. `directory / 'checkpoint'`;",
+            "or empty or remove that directory yourself if its files are not needed.",
+        ],
+    )
+
+
+def checkpoint_not_found(transform: str, directory: str) -> str:
+    return format_message(
+        transform,
+        "directory",
+        [f"nothing exists at {directory}"],
+        "Rule: directory is the one a `checkpoint.save` wrote (for a Manager, the step's "
+        "directory inside the Manager's, or use `Manager.restore`).",
+        [
+            "check the path (relative paths are taken from the current directory);",
+            "for checkpoints written by a Manager, use "
+            "`checkpoint.Manager(directory).restore(target)`.",
+        ],
+    )
+
+
+def incomplete_checkpoint(transform: str, directory: str) -> str:
+    return format_message(
+        transform,
+        "directory",
+        [f"{directory} is a checkpoint whose save never finished"],
+        "Rule: orbax writes a checkpoint into a temporary directory and commits it (renames "
+        "it) only once every array is written; a save interrupted before that leaves an "
+        "uncommitted directory, which is never restored.",
+        [
+            "restore the previous checkpoint, e.g. `Manager(directory).restore(target)` "
+            "(it offers only committed steps);",
+            "delete the uncommitted directory, which nothing can read.",
+        ],
+    )
+
+
+def foreign_checkpoint(
+    transform: str, directory: str, found: Sequence[str], steps: Sequence[int] = ()
+) -> str:
+    problem = (
+        f"{directory} holds the Manager steps {_listing([str(s) for s in steps])}, not one "
+        "checkpoint"
+        if steps
+        else f"{directory} is not a checkpoint written by nnx_sharding.checkpoint (it holds "
+        + (_listing(list(found)) if found else "nothing")
+        + ")"
+    )
+    fixes = (
+        [
+            "restore through the Manager: `checkpoint.Manager(directory).restore(target)` "
+            "(the latest step) or `.restore(target, step=n)`;",
+            f"or give the step's directory, e.g. `restore(directory / '{steps[-1]}', target)`.",
+        ]
+        if steps
+        else [
+            "give the directory that `checkpoint.save` wrote;",
+            "a checkpoint written by orbax directly can be read with orbax's "
+            "`StandardCheckpointer().restore(directory, nnx.state(target))`.",
+        ]
+    )
+    return format_message(
+        transform,
+        "directory",
+        [problem],
+        "Rule: a checkpoint of this package is an orbax checkpoint with two items, 'state' "
+        "(the arrays, by Variable path) and 'nnx' (what was saved, as JSON).",
+        fixes,
+    )
+
+
+def no_steps(transform: str, directory: str) -> str:
+    return format_message(
+        transform,
+        "step",
+        [f"no committed checkpoint step exists in {directory}"],
+        "Rule: with step=None, restore reads the latest step the Manager has committed; "
+        "steps whose save was interrupted are never offered.",
+        [
+            "check the directory, or save a step first (`manager.save(step, tree)`);",
+            "to start from scratch when there is none, test `manager.latest_step() is None`.",
+        ],
+    )
+
+
+def unknown_step(transform: str, directory: str, step: int, steps: Sequence[int]) -> str:
+    return format_message(
+        transform,
+        "step",
+        [f"no committed checkpoint for step {step} exists in {directory}"],
+        "Rule: restore reads a step the Manager has committed; it has "
+        + (_listing([str(s) for s in steps]) if steps else "none")
+        + " (max_to_keep deletes the oldest).",
+        [
+            "pass one of those steps, or step=None for the latest;",
+            "check the directory the Manager was made with.",
+        ],
+    )
+
+
+def bad_step(transform: str, step: object) -> str:
+    return format_message(
+        transform,
+        "step",
+        [f"got {step!r} ({_a(type(step).__name__)})"],
+        "Rule: a step is an int >= 0 (the Manager names its directories after it).",
+        ["pass the training step, e.g. `int(optimizer.step[...])`."],
+    )
+
+
+def bad_restore_filter(transform: str, filter_: object, error: BaseException) -> str:
+    return format_message(
+        transform,
+        "filter",
+        [f"{filter_!r} is not an nnx filter ({type(error).__name__}: {error})"],
+        "Rule: filter selects the Variables to restore; it is anything nnx accepts: a "
+        "Variable type, a tag string, a predicate `(path, variable) -> bool`, `...`, a "
+        "tuple of these.",
+        [
+            "use a Variable type, e.g. `filter=nnx.Param`, or `nnx.PathContains('encoder')`;",
+            "or None (the default) to restore everything.",
+        ],
+    )
+
+
+def mismatch_detail(kind: str, path: str, here: str = "", there: str = "") -> str:
+    """One problem for `checkpoint_mismatch`. ``kind``: missing, extra, shape or dtype;
+    ``here``/``there``: what the target and the checkpoint have."""
+    return {
+        "missing": f"{path}: the target has {here}, the checkpoint has no Variable there",
+        "extra": f"{path}: the checkpoint has {there}, the target has no Variable there",
+        "shape": f"{path}: shape {here} in the target, {there} in the checkpoint",
+        "dtype": f"{path}: dtype {here} in the target, {there} in the checkpoint",
+    }[kind]
+
+
+def checkpoint_mismatch(transform: str, directory: str, problems: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "target",
+        list(problems),
+        f"Rule: the target has the structure of what was saved in {directory}: the same "
+        "Variables at the same paths, with the same shapes and dtypes (with filter=..., the "
+        "Variables it selects). Nothing was read or changed.",
+        [
+            "build the target as the saved tree was built (same modules, sizes and "
+            "optimizer), e.g. with `nnx.eval_shape(lambda: ...)`;",
+            "or restore part of it: `filter=nnx.Param` reads only the parameters, and "
+            "Variables of the checkpoint it does not select are not read.",
+        ],
+    )
+
+
+def abstract_not_restored(transform: str, paths: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "filter",
+        [f"{p} is abstract (a jax.ShapeDtypeStruct) and the filter leaves it out" for p in paths],
+        "Rule: restore returns a concrete tree; a Variable the filter does not select keeps "
+        "the target's value, so in an abstract target (`nnx.eval_shape`) every Variable "
+        "must be restored.",
+        [
+            "widen the filter to cover them, or leave filter out to restore everything;",
+            "or restore into a concrete target (e.g. a freshly initialized model), whose "
+            "other Variables keep their values.",
+        ],
+    )
+
+
+def no_mesh_for_restore(transform: str, problems: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "shardings",
+        list(problems),
+        "Rule: restore places every array on devices; a PartitionSpec (from shardings or "
+        "from sharding metadata) or a sharding on an abstract mesh is bound to the mesh set "
+        "with `jax.set_mesh`.",
+        [
+            "call restore inside `with jax.set_mesh(mesh):`;",
+            "or give NamedShardings, e.g. `StateSharding({nnx.Param: NamedSharding(mesh, "
+            "P('model')), ...: NamedSharding(mesh, P())})`.",
+        ],
+    )
+
+
+def not_a_node_problem(where: str, type_name: str) -> str:
+    """A problem for `not_savable`: a pytree leaf of the tree that is not a graph node."""
+    return f"{where} is {_a(type_name)}, not a graph node"
+
+
+def no_variables_problem(argument: str) -> str:
+    """A problem for `not_savable`: the tree has graph nodes but no Variable in them."""
+    return f"{argument} has no Variables: there is nothing to save or restore"
+
+
+def value_problem(kind: str, var_type: str, where: str, value_type: str = "") -> str:
+    """A problem for `not_savable`: the Variable at ``where`` holds no savable array.
+    ``kind``: abstract, tracer, deleted or other (``value_type``: what it holds)."""
+    return (
+        f"the {var_type} at {where} "
+        + {
+            "abstract": "is abstract (a jax.ShapeDtypeStruct): it has no values",
+            "tracer": "is a tracer: checkpoints are written and read outside jit",
+            "deleted": "has been deleted (donated to a jitted call?)",
+            "other": f"holds {_a(value_type)}, not an array",
+        }[kind]
+    )
+
+
+def describe_variable(type_name: str, shape: Sequence[int], dtype: str) -> str:
+    """``a Param of shape (2, 3) float32``, for `mismatch_detail`."""
+    return f"{_a(type_name)} of shape {tuple(shape)} {dtype}"

@@ -1,0 +1,195 @@
+"""`Manager`: numbered checkpoints of a training loop, over orbax's ``CheckpointManager``."""
+
+from __future__ import annotations
+
+import operator
+import types
+from typing import Any, TypeVar
+
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
+
+from .. import _errors
+from .._state_sharding import Filter
+from ._io import PathLike, StepSource, as_path, handlers, save_args
+from ._restore import restore_from
+from ._shardings import Shardings
+from ._state import Tree, savable
+
+T = TypeVar("T")
+
+
+class Manager:
+    """Numbered checkpoints in one directory: ``directory/<step>``, each a checkpoint of
+    `save`'s format (so ``checkpoint.restore(directory / '<step>', ...)`` reads it too).
+
+    A thin layer over ``orbax.checkpoint.CheckpointManager``: it keeps the last
+    ``max_to_keep`` steps (None: all), and with ``async_save`` (the default) `save`
+    returns once the arrays are copied off the devices, writing them in the
+    background while training goes on; the next `save`, `restore`,
+    `latest_step`, `all_steps`, `wait_until_finished` or `close` waits for it. A
+    step is offered (`latest_step`, `all_steps`, `restore`) only once orbax has
+    committed it: a save interrupted half way (the process killed) leaves an
+    uncommitted temporary directory, which is never read and is removed when a
+    Manager next opens the directory.
+
+    In a multi-process run every process makes the Manager and calls its methods, with
+    the same directory and steps.
+
+    Args:
+      directory: where the steps go; created if missing.
+      max_to_keep: how many of the newest steps to keep (None: keep all).
+      async_save: write in the background (True) or return when committed (False).
+
+    >>> import shutil, tempfile
+    >>> from flax import nnx
+    >>> from nnx_sharding import checkpoint
+    >>> model, directory = nnx.Linear(2, 3, rngs=nnx.Rngs(0)), tempfile.mkdtemp()
+    >>> with checkpoint.Manager(directory, max_to_keep=2) as manager:
+    ...     for step in (1, 2, 3):
+    ...         _ = manager.save(step, model)
+    ...     manager.all_steps()
+    [2, 3]
+    >>> shutil.rmtree(directory)
+    """
+
+    def __init__(
+        self, directory: PathLike, *, max_to_keep: int | None = None, async_save: bool = True
+    ):
+        self.directory: epath.Path = as_path(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers()
+        )
+
+    def save(self, step: int, tree: Tree, *, force: bool = False) -> bool:
+        """Saves ``tree`` (as `save` does) as ``step``; with ``async_save``, in the
+        background.
+
+        Returns:
+          Whether a save was started: False when orbax skips the step, which it does
+          for a step older than the latest (unless ``force``).
+
+        Raises:
+          FileExistsError: ``step`` exists and ``force`` is False (with ``force``, it
+            is replaced).
+          TypeError: as `save`; or ``step`` is not an int >= 0.
+
+        >>> import shutil, tempfile
+        >>> from flax import nnx
+        >>> from nnx_sharding import checkpoint
+        >>> with checkpoint.Manager(directory := tempfile.mkdtemp()) as manager:
+        ...     manager.save(10, nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+        True
+        >>> shutil.rmtree(directory)
+        """
+        transform = "Manager.save"
+        step = _check_step(transform, step)
+        arrays, described = savable(transform, tree)
+        if force:
+            self._manager.wait_until_finished()
+            if step in self._manager.all_steps():
+                self._manager.delete(step)
+        elif step in self._manager.all_steps():
+            raise FileExistsError(_errors.checkpoint_exists(transform, str(self.directory), step))
+        try:
+            return bool(self._manager.save(step, args=save_args(arrays, described), force=force))
+        except StepAlreadyExistsError:  # the same step still being saved in the background
+            raise FileExistsError(
+                _errors.checkpoint_exists(transform, str(self.directory), step)
+            ) from None
+
+    def restore(
+        self,
+        target: T,
+        *,
+        step: int | None = None,
+        shardings: Shardings = None,
+        filter: Filter | None = None,  # noqa: A002 - the name nnx uses for its filters
+    ) -> T:
+        """Restores ``step`` (None: the latest) into ``target``, as `restore` does.
+
+        A save still being written in the background is waited for first.
+
+        Raises:
+          FileNotFoundError: no committed step (step=None), or not that one.
+          ValueError, TypeError: as `restore`.
+
+        >>> import shutil, tempfile
+        >>> from flax import nnx
+        >>> from nnx_sharding import checkpoint
+        >>> abstract = nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+        >>> with checkpoint.Manager(directory := tempfile.mkdtemp()) as manager:
+        ...     _ = manager.save(1, nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+        ...     model = manager.restore(abstract)
+        >>> type(model.kernel.get_value()).__name__
+        'ArrayImpl'
+        >>> shutil.rmtree(directory)
+        """
+        transform = "Manager.restore"
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(_errors.no_steps(transform, str(self.directory)))
+            step = steps[-1]
+        else:
+            step = _check_step(transform, step)
+            if step not in steps:
+                raise FileNotFoundError(
+                    _errors.unknown_step(transform, str(self.directory), step, steps)
+                )
+        source = StepSource(transform, self._manager, step)
+        return restore_from(source, target, shardings, filter)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none.
+
+        A save still being written in the background is waited for first: until it
+        is committed, its step is not a checkpoint.
+        """
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def all_steps(self) -> list[int]:
+        """The committed steps kept, oldest first (waiting, as `latest_step` does)."""
+        self._manager.wait_until_finished()
+        return sorted(self._manager.all_steps())
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in the background, if any, is committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for the save in the background, then releases orbax's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> Manager:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: types.TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Manager({str(self.directory)!r}, steps={self.all_steps()})"
+
+
+def _check_step(transform: str, step: Any) -> int:
+    """``step`` as an int (numpy and jax integers too); TypeError unless one >= 0."""
+    try:
+        value = -1 if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        value = -1
+    if value < 0:
+        raise TypeError(_errors.bad_step(transform, step))
+    return value

@@ -1,0 +1,208 @@
+"""`restore`'s core: the target checked against the checkpoint, then one read.
+
+Every check runs before any array is read or any Variable written, so a failure
+leaves the caller's objects as they were: the target's values, the filter, the
+checkpoint's contents (orbax's metadata of the arrays: paths, shapes, dtypes, against
+the target's Variables, every mismatch listed), and the shardings (each bound to a
+mesh and fitting its array). Then orbax reads exactly the selected arrays, each
+shard onto the devices that hold it (a ``jax.ShapeDtypeStruct`` with a sharding per
+Variable), and the Variables are set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import jax
+from flax import nnx
+
+from .. import _errors
+from .._state_sharding import Filter, Path
+from ._io import DirectorySource, PathLike, Source
+from ._shardings import Shardings, resolve
+from ._state import (
+    Entry,
+    Key,
+    check_values,
+    flatten,
+    from_json,
+    nest,
+    stored_key,
+    variables,
+    where,
+)
+
+T = TypeVar("T")
+Predicate = Callable[[Path, Any], bool]
+
+
+def selector(transform: str, filter_: Filter | None) -> Predicate | None:
+    """The predicate of ``filter_``; None (restore everything) for None."""
+    if filter_ is None:
+        return None
+    try:
+        return nnx.filterlib.to_predicate(filter_)
+    except Exception as e:  # noqa: BLE001 - flax raises several types for a bad filter
+        raise TypeError(_errors.bad_restore_filter(transform, filter_, e)) from None
+
+
+def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filter | None) -> T:
+    """Restores ``target`` from ``source``; see `checkpoint.restore` for the contract."""
+    transform = source.transform
+    found = variables(transform, "target", target)
+    check_values(transform, "target", found, restoring=True)
+    predicate = selector(transform, filter_)
+    selected = [(p, v) for p, v in found if predicate is None or predicate(p, v)]
+    chosen = {p for p, _ in selected}
+    if left_abstract := [where("target", p) for p, v in found if p not in chosen and _abstract(v)]:
+        raise ValueError(_errors.abstract_not_restored(transform, left_abstract))
+    metadata, described = source.contents()
+    entries = from_json(described)
+    if entries is None:
+        raise ValueError(_errors.foreign_checkpoint(transform, source.name, ["no 'nnx' item"]))
+    compare(transform, source.name, selected, flatten(metadata), entries, strict=predicate is None)
+    shapes = [_struct(v.get_raw_value()) for _, v in selected]
+    placed = resolve(transform, target, shardings, selected, shapes)
+    if not selected:
+        return target  # the filter selects nothing: nothing to read
+    abstract = nest(
+        (stored_key(path), jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding))
+        for (path, _), s, sharding in zip(selected, shapes, placed, strict=True)
+    )
+    restored = flatten(source.read(abstract))
+    result = nnx.clone(target) if any(_abstract(v) for _, v in found) else target
+    by_path = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(result))}
+    for path, _ in selected:
+        by_path[path].set_value(restored[stored_key(path)])
+    return result
+
+
+def compare(
+    transform: str,
+    name: str,
+    selected: Sequence[tuple[Path, nnx.Variable]],
+    saved: Mapping[Key, Any],
+    entries: Mapping[Key, Entry],
+    strict: bool,
+) -> None:
+    """Raises ValueError listing every selected Variable the checkpoint lacks or has with
+    another shape or dtype, and (``strict``) every Variable it has that the target lacks.
+
+    A typed PRNG key is compared by its logical shape and dtype (``key<fry>``), which
+    the JSON item records; orbax's metadata has its key data's.
+    """
+    problems: list[str] = []
+    for path, var in selected:
+        value, here = var.get_raw_value(), where("target", path)
+        key = stored_key(path)
+        if key not in saved:
+            mine = _errors.describe_variable(type(var).__name__, value.shape, str(value.dtype))
+            problems.append(_errors.mismatch_detail("missing", here, here=mine))
+            continue
+        shape, dtype = _saved_struct(saved[key], entries.get(key))
+        if tuple(value.shape) != shape:
+            problems.append(
+                _errors.mismatch_detail("shape", here, str(tuple(value.shape)), str(shape))
+            )
+        if str(value.dtype) != dtype:
+            problems.append(_errors.mismatch_detail("dtype", here, str(value.dtype), dtype))
+    if strict:
+        targeted = {stored_key(p) for p, _ in selected}
+        for key in saved:
+            if key in targeted:
+                continue
+            entry = entries.get(key)
+            shape, dtype = _saved_struct(saved[key], entry)
+            theirs = _errors.describe_variable(entry.type if entry else "array", shape, dtype)
+            path = entry.path if entry else key
+            problems.append(_errors.mismatch_detail("extra", where("target", path), there=theirs))
+    if problems:
+        raise ValueError(_errors.checkpoint_mismatch(transform, name, problems))
+
+
+def _saved_struct(metadata: Any, entry: Entry | None) -> tuple[tuple[int, ...], str]:
+    """The logical shape and dtype of a saved array: a PRNG key's from the JSON item."""
+    if entry is not None and entry.dtype.startswith("key<"):
+        return tuple(entry.shape), entry.dtype
+    return tuple(getattr(metadata, "shape", ())), str(getattr(metadata, "dtype", "?"))
+
+
+def _abstract(var: nnx.Variable) -> bool:
+    return isinstance(var.get_raw_value(), jax.ShapeDtypeStruct)
+
+
+def _struct(value: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of a target value (a PRNG key's are its logical ones)."""
+    return jax.ShapeDtypeStruct(tuple(value.shape), value.dtype)
+
+
+def restore(
+    directory: PathLike,
+    target: T,
+    *,
+    shardings: Shardings = None,
+    filter: Filter | None = None,  # noqa: A002 - the name nnx uses for its filters
+) -> T:
+    """Restores the checkpoint at ``directory`` into ``target``, laid out as asked.
+
+    ``target`` has the structure of what `save` saved: the same graph nodes in the
+    same pytree, with Variables of the same paths, shapes and dtypes. It is either
+    abstract (``nnx.eval_shape``: nothing allocated) or concrete. Each array is read
+    straight into its sharding, every device reading only its own shards, so a model
+    too big for one device is never assembled anywhere.
+
+    Where each Variable goes (first that applies):
+
+    1. ``shardings``: a `StateSharding`, a Sharding or PartitionSpec, or a pytree
+       prefix of ``target`` holding these, as `jit`'s ``in_shardings`` (a None entry,
+       or a StateSharding filter mapped to None, falls through to 2);
+    2. the target's own placement: a concrete value's sharding, an abstract one's
+       (``nnx.eval_shape`` under ``jax.set_mesh``), else its sharding metadata
+       (``nnx.with_partitioning``) on the mesh set with ``jax.set_mesh``;
+    3. replicated over the mesh set with ``jax.set_mesh``, else one device (the first
+       local one).
+
+    PartitionSpecs are bound to the mesh set with ``jax.set_mesh``.
+
+    Args:
+      directory: what `save` wrote (for a Manager's checkpoints, `Manager.restore`).
+      target: a pytree of graph nodes, abstract or concrete.
+      shardings: where the Variables go; see above.
+      filter: an nnx filter (``nnx.Param``, ``nnx.PathContains('encoder')``, ...):
+        only the Variables it selects are read, and the checkpoint's others are not;
+        the target's other Variables keep their values (in an abstract target, that
+        is an error). None (the default): restore every Variable, and the checkpoint
+        must have exactly the target's.
+
+    Returns:
+      A concrete tree of ``target``'s structure. A concrete target is updated in place
+      and returned itself (as `jit` returns its inputs); for an abstract one (any
+      Variable holding a ``jax.ShapeDtypeStruct``), a new tree (``nnx.clone``), the
+      target left abstract.
+
+    Raises:
+      FileNotFoundError: nothing exists at ``directory``.
+      ValueError: ``directory`` is not a committed checkpoint of `save` (an interrupted
+        save, a Manager's directory, other files); the target does not match it (every
+        Variable missing on either side, every shape and dtype difference, by path);
+        a sharding does not divide its array, or a PartitionSpec has no mesh; an
+        abstract Variable the filter leaves out.
+      TypeError: ``target`` is not a pytree of graph nodes of arrays, or ``filter``
+        is not an nnx filter.
+
+    Every check runs before anything is read: on an error the target is as it was.
+
+    >>> import shutil, tempfile
+    >>> from flax import nnx
+    >>> from nnx_sharding import checkpoint
+    >>> directory = tempfile.mkdtemp()
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> checkpoint.save(directory, model)
+    >>> abstract = nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(1)))
+    >>> restored = checkpoint.restore(directory, abstract)
+    >>> bool((restored.kernel[...] == model.kernel[...]).all())
+    True
+    >>> shutil.rmtree(directory)
+    """
+    return restore_from(DirectorySource("checkpoint.restore", directory), target, shardings, filter)

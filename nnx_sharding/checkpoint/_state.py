@@ -1,0 +1,197 @@
+"""A pytree of graph nodes as what orbax saves: its arrays by Variable path, and a JSON
+description of them (the Variable types, and the logical dtype of PRNG keys).
+
+The arrays are the whole ``nnx.state(tree)`` (a shared Variable once, at its first
+path), as a nested dict keyed by the path's parts as strings. Typed PRNG keys
+(``nnx.Rngs``' ``RngKey``) are saved as they are: orbax 0.12 stores their key data and
+the key implementation, and restores a key of the target's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.core import Tracer
+
+from .. import _errors
+from .._sharding import is_node
+from .._state_sharding import Path, format_path
+
+Tree: TypeAlias = Any
+"""A pytree of graph nodes: a Module, ``(model, optimizer)``, a dict of them, ..."""
+Key: TypeAlias = tuple[str, ...]
+"""A Variable's path as stored: every part a string (orbax names arrays by them)."""
+Nested: TypeAlias = dict[str, Any]
+"""A nested dict keyed by the parts of `Key`\\ s: what orbax saves and restores."""
+Json: TypeAlias = dict[str, Any]
+"""The JSON item saved beside the arrays."""
+
+FORMAT = "nnx_sharding.checkpoint"
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One saved Variable as the JSON item describes it.
+
+    >>> Entry((0, 'kernel'), 'Param', (2, 3), 'float32').key
+    ('0', 'kernel')
+    """
+
+    path: Path
+    type: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def key(self) -> Key:
+        return stored_key(self.path)
+
+
+def stored_key(path: Path) -> Key:
+    """The path as orbax stores it, each part a string.
+
+    >>> stored_key(('opt_state', 0, 'mu'))
+    ('opt_state', '0', 'mu')
+    """
+    return tuple(str(part) for part in path)
+
+
+def where(argument: str, path: Path) -> str:
+    """``argument`` and the Variable path in the keystr style: ``target[0].up.kernel``.
+
+    >>> where('target', (0, 'up', 'kernel'))
+    'target[0].up.kernel'
+    """
+    return f"{argument}{format_path(path)}"
+
+
+def variables(transform: str, argument: str, tree: Tree) -> list[tuple[Path, nnx.Variable]]:
+    """``(path, Variable)`` for each Variable of ``nnx.state(tree)``, in nnx's order.
+
+    Every leaf of the pytree ``tree`` must be a graph node; each problem is listed.
+    """
+    keyed = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]
+    problems = [
+        _errors.not_a_node_problem(f"{argument}{jax.tree_util.keystr(kp)}", type(leaf).__name__)
+        for kp, leaf in keyed
+        if not is_node(leaf)
+    ]
+    found = [] if problems else nnx.to_flat_state(nnx.state(tree))
+    if not problems and not found:
+        problems.append(_errors.no_variables_problem(argument))
+    if problems:
+        raise TypeError(_errors.not_savable(transform, argument, problems))
+    return [(tuple(path), var) for path, var in found]
+
+
+def value_problem(value: Any, restoring: bool) -> str:
+    """What is wrong with ``value`` as a Variable's value to save (or, ``restoring``,
+    to restore into: abstract and deleted arrays are fine, they are replaced): a kind
+    for `_errors.value_problem`, or ``''``."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return "" if restoring else "abstract"
+    if isinstance(value, Tracer):
+        return "tracer"
+    if isinstance(value, jax.Array):
+        return "deleted" if value.is_deleted() and not restoring else ""
+    return "" if isinstance(value, (np.ndarray, np.generic)) else "other"
+
+
+def check_values(
+    transform: str, argument: str, found: Sequence[tuple[Path, nnx.Variable]], restoring: bool
+) -> None:
+    """Every Variable holds an array (`value_problem`); each problem is listed."""
+    problems = []
+    for path, var in found:
+        value = var.get_raw_value()
+        if kind := value_problem(value, restoring):
+            problems.append(
+                _errors.value_problem(
+                    kind, type(var).__name__, where(argument, path), type(value).__name__
+                )
+            )
+    if problems:
+        raise TypeError(_errors.not_savable(transform, argument, problems))
+
+
+def savable(transform: str, tree: Tree) -> tuple[Nested, Json]:
+    """The arrays of ``tree`` as a nested dict by stored path, and their JSON description.
+
+    >>> from flax import nnx
+    >>> arrays, described = savable('save', nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    >>> sorted(arrays), described['variables'][1]
+    (['bias', 'kernel'], {'path': ['kernel'], 'type': 'Param', 'shape': [2, 3], 'dtype': 'float32'})
+    """
+    found = variables(transform, "tree", tree)
+    check_values(transform, "tree", found, restoring=False)
+    entries = [
+        Entry(path, type(var).__name__, tuple(value.shape), str(value.dtype))
+        for path, var in found
+        for value in [var.get_raw_value()]
+    ]
+    arrays = nest((stored_key(path), var.get_raw_value()) for path, var in found)
+    return arrays, to_json(entries)
+
+
+def to_json(entries: Iterable[Entry]) -> Json:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "variables": [
+            {
+                "path": [p if isinstance(p, (int, str)) else str(p) for p in e.path],
+                "type": e.type,
+                "shape": list(e.shape),
+                "dtype": e.dtype,
+            }
+            for e in entries
+        ],
+    }
+
+
+def from_json(data: Any) -> dict[Key, Entry] | None:
+    """The entries of a JSON item by stored key; None if it is not one of ours."""
+    if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+        return None
+    return {
+        entry.key: entry
+        for item in data.get("variables", [])
+        for entry in [Entry(tuple(item["path"]), item["type"], tuple(item["shape"]), item["dtype"])]
+    }
+
+
+def nest(items: Iterable[tuple[Key, Any]]) -> Nested:
+    """A nested dict from ``(key, leaf)`` pairs.
+
+    >>> nest([(('a', 'b'), 1), (('a', 'c'), 2)])
+    {'a': {'b': 1, 'c': 2}}
+    """
+    out: Nested = {}
+    for key, leaf in items:
+        node = out
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = leaf
+    return out
+
+
+def flatten(tree: Mapping[Any, Any], prefix: Key = ()) -> dict[Key, Any]:
+    """The leaves of a nested mapping by stored key (the inverse of `nest`).
+
+    >>> flatten({'a': {'b': 1, 0: 2}})
+    {('a', 'b'): 1, ('a', '0'): 2}
+    """
+    out: dict[Key, Any] = {}
+    for part, child in tree.items():
+        key = (*prefix, str(part))
+        if isinstance(child, Mapping):
+            out.update(flatten(child, key))
+        else:
+            out[key] = child
+    return out
