@@ -1,9 +1,11 @@
-"""The main job: ``python -m nnx_sharding [--devices N] [--steps N] [--mesh data=2,model=4]``.
+"""The main job: ``python -m nnx_sharding [--devices N] [--steps N] [--mesh data=2,model=4]
+[--checkpoint DIR]``.
 
 Trains the tensor-parallel MLP recipe (`nnx_sharding.recipes`) on simulated CPU
 devices next to a single-device reference, then prints every parameter's sharding
 and both final losses. A mesh with a ``data`` axis trains the data-parallel recipe
-(with ``model`` too: both, on a 2-D mesh).
+(with ``model`` too: both, on a 2-D mesh). With ``--checkpoint DIR`` the sharded run
+saves to DIR as it trains and, when DIR holds a checkpoint, resumes from it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default: model=DEVICES)"
     )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        default=argparse.SUPPRESS,  # absent from the options when not given
+        help=(
+            "save the sharded model and optimizer to DIR every 100 steps and at the end "
+            "(the latest 3 are kept); when DIR holds a checkpoint, resume from its latest step"
+        ),
+    )
     args = parser.parse_args(argv)
     if args.mesh is None:
         args.devices = args.devices or 8
@@ -95,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_num_cpu_devices", args.devices)
     from nnx_sharding.recipes._job import run
 
-    return run(args.mesh, args.steps)
+    return run(args.mesh, args.steps, checkpoint=getattr(args, "checkpoint", None))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from nnx_sharding.__main__ import parse
@@ -107,3 +108,55 @@ def test_aot_subcommand_reports_and_refuses_bad_options():
     ok = job("aot", "--config", "1b-wide", "--mesh", "data=2,model=4", timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "1,067,487,232" in ok.stdout and "memory_analysis" in ok.stdout
+
+
+def test_checkpoint_option_and_its_absence():
+    assert parse(["--checkpoint", "ckpt"]).checkpoint == "ckpt"
+    assert not hasattr(parse([]), "checkpoint")  # without it, the options are as they were
+
+
+def restored_at(directory: Path, step: int) -> dict[str, np.ndarray]:
+    """The checkpoint of ``step`` in ``directory`` (the job's model and optimizer) as numpy."""
+    from flax import nnx
+
+    from nnx_sharding import checkpoint
+    from nnx_sharding.recipes import MLP, make_optimizer
+
+    def fresh():
+        model = MLP(16, 128, 8, rngs=nnx.Rngs(0))
+        return model, make_optimizer(model)
+
+    with checkpoint.Manager(directory) as manager:
+        assert step in manager.all_steps(), manager.all_steps()
+        tree = manager.restore(nnx.eval_shape(fresh), step=step)
+    return {
+        "/".join(map(str, path)): np.asarray(variable.get_value())
+        for path, variable in nnx.to_flat_state(nnx.state(tree))
+    }
+
+
+def test_checkpoint_resumes_the_run_exactly(tmp_path):
+    """--steps 10 then --steps 20 from its checkpoint: the uninterrupted run's numbers."""
+    whole = job("--steps", "20", "--checkpoint", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    assert "resumed" not in whole.stdout
+    first = job("--steps", "10", "--checkpoint", str(tmp_path / "split"))
+    assert first.returncode == 0, first.stderr
+    second = job("--steps", "20", "--checkpoint", str(tmp_path / "split"))
+    assert second.returncode == 0, second.stderr
+    assert "resumed from step 10" in second.stdout, second.stdout
+    assert "20/20" in second.stdout and "max |loss difference| over steps 11-20" in second.stdout
+    assert final_losses(second.stdout) == final_losses(whole.stdout)
+    # the parameters, adam's state and the step: bit for bit
+    got, expected = restored_at(tmp_path / "split", 20), restored_at(tmp_path / "whole", 20)
+    assert sorted(got) == sorted(expected) and int(got["1/step"]) == 20
+    for path, value in expected.items():
+        np.testing.assert_array_equal(got[path], value, err_msg=path)
+    # the checkpoint is done: a third run has nothing to train
+    done = job("--steps", "20", "--checkpoint", str(tmp_path / "split"))
+    assert done.returncode == 0 and "nothing to train" in done.stdout, done.stdout + done.stderr
+    # another mesh, another model: refused, with the mismatches and no traceback
+    other = job("--mesh", "model=4", "--steps", "30", "--checkpoint", str(tmp_path / "split"))
+    assert other.returncode == 1, other.stdout + other.stderr
+    assert "cannot resume from step 20" in other.stdout and "shape (16, 64)" in other.stdout
+    assert "Traceback" not in other.stderr

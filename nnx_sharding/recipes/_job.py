@@ -1,9 +1,21 @@
-"""The main job (``python -m nnx_sharding``): a recipe trained next to its reference."""
+"""The main job (``python -m nnx_sharding``): a recipe trained next to its reference.
+
+With a checkpoint directory (``--checkpoint DIR``) the sharded run saves the model and
+its optimizer (whose ``step`` is the training position) every `SAVE_EVERY` steps and
+at the end, through `nnx_sharding.checkpoint.Manager`; when DIR already holds a
+checkpoint, the run restores the latest one straight into the recipe's sharded layout
+and trains on from its step. Batch ``i`` is ``batches[i % len(batches)]`` for the
+global step ``i``, so a resumed run sees the data the uninterrupted run would have
+seen, and its losses continue that run's exactly. The single-device reference always
+trains from scratch: it is cheap and keeps the comparison the same.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flax import nnx
@@ -13,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .._sharding import StateSharding
 from ._data_parallel import data_parallel_step, data_tensor_parallel_step
 from ._model import (
     MLP,
@@ -25,12 +38,19 @@ from ._model import (
     reference_step,
 )
 from ._model import train as train_steps
-from ._specs import AxisName, make_mesh
+from ._specs import AxisName, make_mesh, megatron_sharding, on_mesh
 from ._tensor_parallel import tensor_parallel_step
+
+if TYPE_CHECKING:
+    from ..checkpoint import Manager
 
 DIN, DOUT = 16, 8
 RTOL = 1e-4
 """How close the final loss must come to the reference's for exit status 0."""
+SAVE_EVERY = 100
+"""With ``--checkpoint``: the sharded run saves every this many steps, and at the end."""
+MAX_TO_KEEP = 3
+"""With ``--checkpoint``: how many of the latest checkpoints the directory keeps."""
 
 
 def pick_recipe(axes: Mapping[AxisName, int]) -> tuple[str, Step, NamedSharding]:
@@ -44,10 +64,39 @@ def pick_recipe(axes: Mapping[AxisName, int]) -> tuple[str, Step, NamedSharding]
     return "tensor parallel (Megatron, shard_map)", tensor_parallel_step(mesh), batch
 
 
-def run(axes: Mapping[AxisName, int], steps: int, console: Console | None = None) -> int:
+def state_layout(axes: Mapping[AxisName, int]) -> StateSharding:
+    """Where the recipe for ``axes`` keeps the model and the optimizer's state.
+
+    Megatron's split over ``model`` when the mesh has that axis (replicated over
+    ``data``), else everything replicated: the ``in_shardings`` of the recipe's step.
+
+    >>> state_layout({'data': 2}).shardings[0].spec
+    P()
+    """
+    mesh = make_mesh(axes)
+    if "model" in axes:
+        return on_mesh(mesh, megatron_sharding())
+    return StateSharding({...: NamedSharding(mesh, P())})
+
+
+def run(
+    axes: Mapping[AxisName, int],
+    steps: int,
+    console: Console | None = None,
+    checkpoint: str | Path | None = None,
+) -> int:
     """Trains the recipe for ``axes`` and the reference; prints the comparison.
 
-    Returns the exit status: 0 when the final losses agree to `RTOL`.
+    Args:
+      axes: The mesh, e.g. ``{'data': 2, 'model': 4}``; it picks the recipe.
+      steps: How many steps both runs train in all.
+      console: Where to print (a new `rich` console if None).
+      checkpoint: A directory to save the sharded run to (see the module's docstring)
+        and, when it holds a checkpoint, to resume it from.
+
+    Returns:
+      The exit status: 0 when the final losses agree to `RTOL` (or a checkpoint is
+      already at ``steps``), 1 otherwise.
     """
     console = console or Console()
     start = time.perf_counter()
@@ -56,27 +105,56 @@ def run(axes: Mapping[AxisName, int], steps: int, console: Console | None = None
     batches = make_batches(16, batch, DIN, DOUT)
     model = MLP(DIN, hidden, DOUT, rngs=nnx.Rngs(0))
     reference = nnx.clone(model)
+    optimizer = make_optimizer(model)
     console.print(f"[bold]{name}[/] on mesh {dict(axes)}")
     console.print(f"MLP {DIN} -> {hidden} -> {DOUT}, batch {batch}, adam, {steps} steps")
-    with Progress(
-        TextColumn("{task.description:<22}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
-        losses = _train(progress, "sharded", step, model, batches, steps, placement)
-        expected = _train(
-            progress, "single-device reference", reference_step(), reference, batches, steps
-        )
+    manager, first = None, 0
+    if checkpoint is not None:
+        from ..checkpoint import Manager
+
+        directory = Path(checkpoint).resolve()
+        manager = Manager(directory, max_to_keep=MAX_TO_KEEP)
+        try:
+            resumed = _resume(manager, directory, axes, hidden, steps, console)
+        except _Stop as stop:
+            manager.close()
+            return stop.status
+        if resumed is not None:
+            first, model, optimizer = resumed
+        console.print(f"saving to {directory} every {SAVE_EVERY} steps and at step {steps}")
+    try:
+        with Progress(
+            TextColumn("{task.description:<22}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            losses = _train(
+                progress, "sharded", step, model, optimizer, batches, steps, placement,
+                first=first, manager=manager,
+            )  # fmt: skip
+            expected = _train(
+                progress,
+                "single-device reference",
+                reference_step(),
+                reference,
+                make_optimizer(reference),
+                batches,
+                steps,
+            )
+    finally:
+        if manager is not None:
+            manager.close()  # waits for the last save
     console.print(_param_table(model, axes))
     loss, ref = float(losses[-1]), float(expected[-1])
     diff, params = abs(loss - ref), max_param_diff(model, reference)
+    trained = f"the {steps} steps" if first == 0 else f"steps {first + 1}-{steps}"
     console.print(
         f"final loss {loss:.6f}, single-device reference {ref:.6f}, |difference| {diff:.1e}\n"
-        f"max |loss difference| over the {steps} steps "
-        f"{float(np.max(np.abs(losses - expected))):.1e}\n"
+        f"max |loss difference| over {trained} "
+        f"{float(np.max(np.abs(losses - expected[first:]))):.1e}\n"
         f"max |parameter difference| {params:.1e}\n"
         f"took {time.perf_counter() - start:.1f} s"
     )
@@ -86,24 +164,87 @@ def run(axes: Mapping[AxisName, int], steps: int, console: Console | None = None
     return 0 if ok else 1
 
 
+class _Stop(Exception):
+    """Ends the job early, with the exit status ``status`` (why is printed already)."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+def _resume(
+    manager: Manager,
+    directory: Path,
+    axes: Mapping[AxisName, int],
+    hidden: int,
+    steps: int,
+    console: Console,
+) -> tuple[int, MLP, nnx.Optimizer[MLP]] | None:
+    """The latest checkpoint's step, model and optimizer, restored in the recipe's
+    layout; None when ``manager`` has none. Raises `_Stop` when there is nothing left
+    to train, or when the checkpoint is of another model."""
+    latest = manager.latest_step()
+    if latest is None:
+        return None
+    if latest >= steps:
+        console.print(
+            f"the checkpoint in {directory} is at step {latest}, --steps is {steps}: "
+            "nothing to train"
+        )
+        raise _Stop(0 if latest == steps else 1)
+    abstract = nnx.eval_shape(lambda: _model_and_optimizer(hidden))
+    try:
+        model, optimizer = manager.restore(abstract, shardings=state_layout(axes))
+    except ValueError as e:  # the checkpoint's shapes differ: saved with another --mesh
+        console.print(
+            f"[red]cannot resume from step {latest} of the checkpoint in {directory}: "
+            f"it does not fit MLP {DIN} -> {hidden} -> {DOUT} (saved with another --mesh?)[/]"
+        )
+        console.print(str(e), markup=False, highlight=False)
+        raise _Stop(1) from None
+    console.print(
+        f"resumed from step {latest} (the optimizer's step: {int(optimizer.step[...])}) "
+        f"of the checkpoint in {directory}"
+    )
+    return latest, model, optimizer
+
+
+def _model_and_optimizer(hidden: int) -> tuple[MLP, nnx.Optimizer[MLP]]:
+    model = MLP(DIN, hidden, DOUT, rngs=nnx.Rngs(0))
+    return model, make_optimizer(model)
+
+
 def _train(
     progress: Progress,
     label: str,
     step: Step,
     model: MLP,
-    batches: list[Batch],
+    optimizer: nnx.Optimizer[MLP],
+    batches: Sequence[Batch],
     steps: int,
     sharding: NamedSharding | None = None,
+    *,
+    first: int = 0,
+    manager: Manager | None = None,
 ) -> np.ndarray:
-    task = progress.add_task(label, total=steps, loss="-")
+    """Steps ``first`` to ``steps`` (batch ``i % len(batches)`` at step ``i``); their
+    losses. With a ``manager``, saves ``(model, optimizer)`` after every `SAVE_EVERY`
+    steps and after the last."""
+    task = progress.add_task(label, total=steps, completed=first, loss="-")
     every = max(1, steps // 50)
 
     def on_step(i: int, loss: Array) -> None:
-        if (i + 1) % every == 0 or i + 1 == steps:
-            progress.update(task, completed=i + 1, loss=f"{float(loss):.6f}")
+        done = first + i + 1
+        if done % every == 0 or done == steps:
+            progress.update(task, completed=done, loss=f"{float(loss):.6f}")
+        if manager is not None and (done % SAVE_EVERY == 0 or done == steps):
+            manager.save(done, (model, optimizer))
 
-    optimizer = make_optimizer(model)
-    return train_steps(step, model, optimizer, batches, steps, sharding=sharding, on_step=on_step)
+    k = first % len(batches)  # rotated so that the run's first batch is step `first`'s
+    rotated = [*batches[k:], *batches[:k]]
+    return train_steps(
+        step, model, optimizer, rotated, steps - first, sharding=sharding, on_step=on_step
+    )
 
 
 def _param_table(model: MLP, axes: Mapping[AxisName, int]) -> Table:
