@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `bench`, `fuzz`.
+"""Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `bench`, `bench_checkpoint`,
+`fuzz`.
 
 `nox` alone runs tests, lint and typecheck. `nox -s tests` runs the suite once per
 flax version of `FLAX_VERSIONS`; pick one with e.g. `nox -s "tests(flax='newest')"`.
@@ -84,3 +85,11 @@ def bench(session: nox.Session) -> None:
     """Per-call overhead benchmark; writes JSON and a plot to benchmarks/results/."""
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/overhead.py", *session.posargs)
+
+
+@nox.session
+def bench_checkpoint(session: nox.Session) -> None:
+    """Sharded checkpoint restore against orbax's own (1 GiB, 8 CPU devices); writes JSON to
+    benchmarks/results/. Needs a few GiB of free memory."""
+    session.install("-e", ".[bench]")
+    session.run("python", "benchmarks/checkpoint.py", *session.posargs)
