@@ -99,16 +99,21 @@ def incomplete_checkpoint(transform: str, directory: str) -> str:
 
 
 def foreign_checkpoint(
-    transform: str, directory: str, found: Sequence[str], steps: Sequence[int] = ()
+    transform: str, directory: str, found: Sequence[str] | None, steps: Sequence[int] = ()
 ) -> str:
-    problem = (
-        f"{directory} holds the Manager steps {_listing([str(s) for s in steps])}, not one "
-        "checkpoint"
-        if steps
-        else f"{directory} is not a checkpoint written by nnx_sharding.checkpoint (it holds "
-        + (_listing(list(found)) if found else "nothing")
-        + ")"
-    )
+    """``found``: what the directory holds; None when it is a file."""
+    if steps:
+        problem = (
+            f"{directory} holds the Manager steps {_listing([str(s) for s in steps])}, not one "
+            "checkpoint"
+        )
+    elif found is None:
+        problem = f"{directory} is a file, not a checkpoint directory"
+    else:
+        held = _listing(list(found)) if found else "nothing"
+        problem = (
+            f"{directory} is not a checkpoint written by nnx_sharding.checkpoint (it holds {held})"
+        )
     fixes = (
         [
             "restore through the Manager: `checkpoint.Manager(directory).restore(target)` "
@@ -230,6 +235,24 @@ def abstract_not_restored(transform: str, paths: Sequence[str]) -> str:
     )
 
 
+def unplaceable(transform: str, problems: Sequence[str]) -> str:
+    """Shardings (given, or from sharding metadata) that jax cannot build on the mesh."""
+    return format_message(
+        transform,
+        "shardings",
+        list(problems),
+        "Rule: every mesh axis a PartitionSpec names (given in shardings, or from a "
+        "Variable's sharding metadata) exists in the mesh it is bound to, at most once a spec.",
+        [
+            "name the mesh's axes, or call restore under the mesh the specs were written for "
+            "(`with jax.set_mesh(mesh):`);",
+            "for logical axis names in metadata (`nnx.with_partitioning`), map them with "
+            "`nnx.logical_axis_rules` or `StateSharding.from_metadata(target, rules=...)`;",
+            "or give the shardings yourself: `shardings=StateSharding({...})`.",
+        ],
+    )
+
+
 def no_mesh_for_restore(transform: str, problems: Sequence[str]) -> str:
     return format_message(
         transform,
@@ -254,6 +277,28 @@ def not_a_node_problem(where: str, type_name: str) -> str:
 def no_variables_problem(argument: str) -> str:
     """A problem for `not_savable`: the tree has graph nodes but no Variable in them."""
     return f"{argument} has no Variables: there is nothing to save or restore"
+
+
+def array_outside_variable_problem(where: str, type_name: str) -> str:
+    """A problem for `not_savable`: an array held by a graph node outside any Variable."""
+    return (
+        f"{where} is {_a(type_name)} held outside a Variable (`nnx.data`); checkpoints "
+        "hold Variables: wrap it, e.g. `nnx.Variable(value)`, or leave it out of the tree"
+    )
+
+
+def selects_nothing(transform: str, filter_: object) -> str:
+    return format_message(
+        transform,
+        "filter",
+        [f"the filter {filter_!r} selects none of the target's Variables"],
+        "Rule: a filter says which of the target's Variables to restore; one that selects "
+        "none would restore nothing, which is never what was meant.",
+        [
+            "check the filter against the target, e.g. `nnx.state(target, filter)`;",
+            "or restore everything: `filter=None`.",
+        ],
+    )
 
 
 def value_problem(kind: str, var_type: str, where: str, value_type: str = "") -> str:

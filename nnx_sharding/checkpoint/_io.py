@@ -31,9 +31,10 @@ NNX = "nnx"
 
 
 def as_path(directory: PathLike) -> epath.Path:
-    """``directory`` as an absolute ``epath.Path`` (URLs are kept as they are)."""
+    """``directory`` as an absolute ``epath.Path``, ``~`` expanded (URLs are kept as they
+    are)."""
     text = os.fspath(directory)
-    return epath.Path(text if "://" in text else os.path.abspath(text))
+    return epath.Path(text if "://" in text else os.path.abspath(os.path.expanduser(text)))
 
 
 READ_FRACTION = 0.05
@@ -141,6 +142,8 @@ class DirectorySource:
         path = self.path
         if not path.exists():
             raise FileNotFoundError(_errors.checkpoint_not_found(self.transform, self.name))
+        if not path.is_dir():
+            raise ValueError(_errors.foreign_checkpoint(self.transform, self.name, None))
         if not ocp.path.step.is_path_finalized(path):
             raise ValueError(_errors.incomplete_checkpoint(self.transform, self.name))
         if not is_ours(path):

@@ -31,8 +31,9 @@ class Manager:
     `latest_step`, `all_steps`, `wait_until_finished` or `close` waits for it. A
     step is offered (`latest_step`, `all_steps`, `restore`) only once orbax has
     committed it: a save interrupted half way (the process killed) leaves an
-    uncommitted temporary directory, which is never read and is removed when a
-    Manager next opens the directory.
+    uncommitted temporary directory, which is never read (orbax removes it later).
+    Close the Manager (`close`, or ``with``) before the program ends: a save still in
+    the background when Python exits is lost, as with orbax.
 
     In a multi-process run every process makes the Manager and calls its methods, with
     the same directory and steps.

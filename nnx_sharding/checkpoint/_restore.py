@@ -54,6 +54,8 @@ def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filte
     check_values(transform, "target", found, restoring=True)
     predicate = selector(transform, filter_)
     selected = [(p, v) for p, v in found if predicate is None or predicate(p, v)]
+    if not selected:
+        raise ValueError(_errors.selects_nothing(transform, filter_))
     chosen = {p for p, _ in selected}
     if left_abstract := [where("target", p) for p, v in found if p not in chosen and _abstract(v)]:
         raise ValueError(_errors.abstract_not_restored(transform, left_abstract))
@@ -64,8 +66,6 @@ def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filte
     compare(transform, source.name, selected, flatten(metadata), entries, strict=predicate is None)
     shapes = [_struct(v.get_raw_value()) for _, v in selected]
     placed = resolve(transform, target, shardings, selected, shapes)
-    if not selected:
-        return target  # the filter selects nothing: nothing to read
     abstract = nest(
         (stored_key(path), jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding))
         for (path, _), s, sharding in zip(selected, shapes, placed, strict=True)
@@ -186,8 +186,9 @@ def restore(
       ValueError: ``directory`` is not a committed checkpoint of `save` (an interrupted
         save, a Manager's directory, other files); the target does not match it (every
         Variable missing on either side, every shape and dtype difference, by path);
-        a sharding does not divide its array, or a PartitionSpec has no mesh; an
-        abstract Variable the filter leaves out.
+        a sharding does not divide its array, or a PartitionSpec has no mesh or names
+        axes it lacks; an abstract Variable the filter leaves out; a filter that
+        selects no Variable.
       TypeError: ``target`` is not a pytree of graph nodes of arrays, or ``filter``
         is not an nnx filter.
 

@@ -23,13 +23,15 @@ def save(directory: PathLike, tree: Tree, *, force: bool = False) -> None:
       directory: where to write; it must not exist, or be an empty directory.
       tree: the pytree of graph nodes to save, with concrete arrays.
       force: replace a checkpoint already at ``directory`` (never a directory of
-        other files).
+        other files). The old one is deleted first, as orbax does: if this save is
+        interrupted, neither remains.
 
     Raises:
       FileExistsError: ``directory`` holds a checkpoint (without ``force``) or other
         files.
-      TypeError: a leaf of ``tree`` is not a graph node, or a Variable holds no
-        concrete array (abstract, a tracer, deleted by donation, a Python value).
+      TypeError: a leaf of ``tree`` is not a graph node, a Variable holds no
+        concrete array (abstract, a tracer, deleted by donation, a Python value), or a
+        module holds an array outside a Variable (``nnx.data``).
 
     >>> import shutil, tempfile
     >>> from flax import nnx

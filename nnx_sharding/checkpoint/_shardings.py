@@ -75,17 +75,24 @@ def resolve(
     device = SingleDeviceSharding(jax.local_devices()[0])
     out: list[Sharding] = []
     unbound: list[str] = []
+    failed: list[str] = []
     for path, var in selected:
         given = table.get(id(var))
-        sharding = concrete(given) if given is not None else placement(var.get_raw_value(), var)
-        if sharding is None:  # nothing says where: replicated on the mesh, else one device
-            sharding = device if mesh.empty else PartitionSpec()
-        if isinstance(sharding, PartitionSpec) and not mesh.empty:
-            sharding = NamedSharding(mesh, sharding)
+        try:  # jax raises ValueError, or its DuplicateSpecError, for specs the mesh lacks
+            sharding = concrete(given) if given is not None else placement(var.get_raw_value(), var)
+            if sharding is None:  # nothing says where: replicated on the mesh, else one device
+                sharding = device if mesh.empty else PartitionSpec()
+            if isinstance(sharding, PartitionSpec) and not mesh.empty:
+                sharding = NamedSharding(mesh, sharding)
+        except Exception as e:  # noqa: BLE001
+            failed.append(f"{where('target', path)}: {e}")
+            continue
         if isinstance(sharding, PartitionSpec) or abstract(sharding):
             unbound.append(f"{where('target', path)}: {sharding!r}")
             continue
         out.append(sharding)
+    if failed:
+        raise ValueError(_errors.unplaceable(transform, failed))
     if unbound:
         raise ValueError(_errors.no_mesh_for_restore(transform, unbound))
     sites = [where("target", path) for path, _ in selected]

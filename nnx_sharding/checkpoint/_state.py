@@ -54,12 +54,18 @@ class Entry:
 
 
 def stored_key(path: Path) -> Key:
-    """The path as orbax stores it, each part a string.
+    """The path as orbax stores it, each part a string; orbax joins the parts with '.'
+    (and names files by them), so '.', '/' and '%' inside a part are escaped: two paths
+    are never stored under one name (a container's keys are all ints or all strings).
 
     >>> stored_key(('opt_state', 0, 'mu'))
     ('opt_state', '0', 'mu')
+    >>> stored_key(('a.b',))
+    ('a%2Eb',)
     """
-    return tuple(str(part) for part in path)
+    return tuple(
+        str(part).replace("%", "%25").replace(".", "%2E").replace("/", "%2F") for part in path
+    )
 
 
 def where(argument: str, path: Path) -> str:
@@ -85,6 +91,11 @@ def variables(transform: str, argument: str, tree: Tree) -> list[tuple[Path, nnx
     found = [] if problems else nnx.to_flat_state(nnx.state(tree))
     if not problems and not found:
         problems.append(_errors.no_variables_problem(argument))
+    problems += [
+        _errors.array_outside_variable_problem(where(argument, tuple(path)), type(leaf).__name__)
+        for path, leaf in found
+        if not isinstance(leaf, nnx.Variable)
+    ]
     if problems:
         raise TypeError(_errors.not_savable(transform, argument, problems))
     return [(tuple(path), var) for path, var in found]

@@ -212,3 +212,58 @@ def test_manager_errors(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=r"target\[0\]\.up\.kernel: shape \(16, 32\)"):
             manager.restore(build_fresh(3, hidden=32))
         check()
+
+
+class Dotted(nnx.Module):
+    """An attribute named with a '.', beside a nested one of the same spelling: orbax
+    joins a path's parts with '.', so unescaped they would be stored as one name."""
+
+    def __init__(self, first: float):
+        self.a = nnx.Dict({"b": nnx.Param(jnp.full(3, first))})
+        setattr(self, "a.b", nnx.Param(jnp.full(3, first + 1)))
+
+
+def test_paths_that_differ_by_a_dot_are_stored_apart(tmp_path: Path) -> None:
+    checkpoint.save(tmp_path / "ckpt", Dotted(0.0))
+    restored = checkpoint.restore(tmp_path / "ckpt", nnx.eval_shape(lambda: Dotted(5.0)))
+    assert restored.a["b"][...].tolist() == [0.0] * 3
+    assert getattr(restored, "a.b")[...].tolist() == [1.0] * 3
+
+
+def test_an_array_outside_a_variable_is_named(tmp_path: Path) -> None:
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    model.extra = nnx.data(jnp.arange(3.0))
+    with pytest.raises(TypeError, match=r"tree\.extra is an ArrayImpl held outside a Variable"):
+        checkpoint.save(tmp_path / "ckpt", model)
+
+
+def test_mesh_axes_the_mesh_lacks_are_named_with_their_path(saved: Path) -> None:
+    target = Saved(nnx.Rngs(1))
+    check = unchanged(target)
+    with jax.set_mesh(recipes.make_mesh({"data": 8})):
+        with pytest.raises(ValueError) as info:
+            checkpoint.restore(saved, target, shardings=P("model"))
+    message = str(info.value)
+    assert "checkpoint.restore" in message and "target.encoder.kernel: " in message
+    assert "model" in message and "exists in the mesh" in message
+    check()
+
+
+def test_a_filter_that_selects_nothing(saved: Path) -> None:
+    target = Saved(nnx.Rngs(1))
+    check = unchanged(target)
+    with pytest.raises(ValueError, match=r"selects none of the target's Variables"):
+        checkpoint.restore(saved, target, filter=nnx.Intermediate)
+    check()
+
+
+def test_a_file_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "x.txt").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match=r"x\.txt is a file, not a checkpoint directory"):
+        checkpoint.restore(tmp_path / "x.txt", Saved(nnx.Rngs(1)))
+
+
+def test_a_home_relative_directory_is_expanded(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    checkpoint.save("~/ckpt", nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    assert (tmp_path / "ckpt").is_dir()
