@@ -203,12 +203,18 @@ def _states_at_nodes(prefix: Any, tree: Any) -> Any:
 
 
 def broadcast_prefix(
-    transform: str, argument: str, prefix: Any, tree: Any, where: Callable[[Any], str]
+    transform: str,
+    argument: str,
+    prefix: Any,
+    tree: Any,
+    where: Callable[[Any], str],
+    tree_name: str | None = None,
 ) -> list[Any]:
     """For each leaf of ``tree`` (graph nodes are leaves), the prefix entry above it.
 
     ``prefix`` is a `Prefix` or a prefix as given; ``where(keypath)`` renders a key
-    path of ``prefix`` for messages.
+    path of ``prefix`` for messages; ``tree_name`` names ``tree`` in them (default:
+    ``output`` for an ``out_*`` argument, else ``arguments``).
     """
     if isinstance(prefix, Prefix):
         prefix, has_states = prefix.tree, prefix.has_states
@@ -232,7 +238,7 @@ def broadcast_prefix(
         jax.tree.map(expand, prefix, tree, is_leaf=is_prefix_leaf)
     except ValueError as e:
         found = _prefix_mismatch(prefix, tree, ())
-        tree_name = "output" if argument.startswith("out") else "arguments"
+        tree_name = tree_name or ("output" if argument.startswith("out") else "arguments")
         detail = (
             str(e).split("\n")[0]
             if found is None

@@ -59,9 +59,25 @@ def prefix_mismatch(where: str, prefix: object, tree: object, tree_name: str) ->
     return f"at {where} it has {describe(prefix)} where the {tree_name} {verb} {describe(tree)}"
 
 
+_PREFIX_FIXES = {
+    "arguments": (
+        "give one entry per positional argument, e.g. `(StateSharding(...), P('data'))`;",
+        "use None for an argument that needs no sharding.",
+    ),
+    "output": (
+        "give one entry per element of the output, e.g. `(StateSharding(...), P('data'))`;",
+        "use None for an element that needs no sharding.",
+    ),
+    "target": (
+        "give one entry per element of the target, e.g. `(StateSharding(...), None)` for "
+        "`(model, optimizer)`, or one StateSharding for all of it;",
+        "use None for an element that keeps its own placement.",
+    ),
+}
+
+
 def not_a_prefix(transform: str, argument: str, detail: str, tree_name: str = "arguments") -> str:
-    """``tree_name``: what the prefix describes, ``arguments`` or ``output``."""
-    entry = "positional argument" if tree_name == "arguments" else "element of the output"
+    """``tree_name``: what the prefix describes: ``arguments``, ``output`` or ``target``."""
     whose = tree_name + ("'" if tree_name.endswith("s") else "'s")
     return format_message(
         transform,
@@ -69,11 +85,7 @@ def not_a_prefix(transform: str, argument: str, detail: str, tree_name: str = "a
         [f"is not a pytree prefix of the {tree_name} ({detail})"],
         f"Rule: the tree must match the {whose} structure down to where each "
         "sharding or spec stands; a single value applies to everything below it.",
-        [
-            f"give one entry per {entry}, e.g. `(StateSharding(...), P('data'))`;",
-            f"use None for {'an argument' if tree_name == 'arguments' else 'an element'} "
-            "that needs no sharding.",
-        ],
+        list(_PREFIX_FIXES[tree_name]),
         flax="pytree structure error",
     )
 

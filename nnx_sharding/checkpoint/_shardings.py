@@ -46,7 +46,7 @@ def declared(transform: str, target: Tree, shardings: Shardings) -> dict[int, Sh
     wheres = [f"target{keystr(kp)}" for kp, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
     entries = broadcast_prefix(
-        transform, "shardings", prefix, target, lambda kp: f"shardings{keystr(kp)}"
+        transform, "shardings", prefix, target, lambda kp: f"shardings{keystr(kp)}", "target"
     )
     check_leaf_entries(transform, "shardings", entries, leaves, wheres)
     table = variable_shardings(

@@ -267,3 +267,14 @@ def test_a_home_relative_directory_is_expanded(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setenv("HOME", str(tmp_path))
     checkpoint.save("~/ckpt", nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     assert (tmp_path / "ckpt").is_dir()
+
+
+def test_a_shardings_prefix_that_does_not_fit_the_target(saved: Path) -> None:
+    target = Saved(nnx.Rngs(1))
+    check = unchanged(target)
+    with pytest.raises(ValueError) as info:
+        checkpoint.restore(saved, target, shardings=(P(), None))
+    message = str(info.value)
+    assert "is not a pytree prefix of the target" in message
+    assert "one entry per element of the target" in message and "positional" not in message
+    check()
