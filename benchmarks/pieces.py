@@ -2,9 +2,10 @@
 
 The no-op step of `overhead.py` (the graph-overhead MLP with `nnx.Optimizer(sgd)`) is jitted
 and warmed up; then each piece of `_cache.fast_call` runs on its own, in the order a call runs
-them, beside the whole call and floor (b) (a flat `jax.jit` over the same arrays, returning the
-changed one). Each figure is the median over --rounds interleaved rounds (every piece once per
-round) of the mean of a block of calls, with min and max.
+them, beside the whole call. Its "jax dispatch" is what floor (b) of `overhead.py` (a flat
+`jax.jit` over the same arrays, returning the changed one) costs too; the ratios to floor (b)
+are `overhead.py`'s. Each figure is the median over --rounds interleaved rounds (every piece
+once per round) of the mean of a block of calls, with min and max.
 
 It also times the cheapest exact primitives CPython offers for the snapshot's checks, on the
 same containers: the list of keys (one C-level list comparison), the identity of every
@@ -74,7 +75,6 @@ def pieces(depth: int) -> dict[str, Callable[[], Any]]:
     arguments = entry.arguments(leaves)
     assert arguments is not None
     out = entry.state.jitted(*arguments)
-    floor = overhead.VARIANTS["floor (b)"](spec, *overhead.make_model(depth), x, y)
     # The cheapest exact primitives for the same checks.
     dicts = snapshot._dicts
     saved = [*chain.from_iterable(map(dict.values, dicts))]
@@ -96,7 +96,6 @@ def pieces(depth: int) -> dict[str, Callable[[], Any]]:
         "reading the arguments": quiet(lambda: entry.arguments(leaves)),
         "jax dispatch": lambda: entry.state.jitted(*arguments),
         "write-back and output": lambda: entry.merge(*out),
-        "floor (b)": lambda: (floor.call(), floor.sync())[1],
         "bound: keys (list ==)": lambda: [*chain.from_iterable(dicts)] == saved_keys,
         "bound: values' identity (streamed)": lambda: all(
             map(is_, chain.from_iterable(map(dict.values, dicts)), saved)
