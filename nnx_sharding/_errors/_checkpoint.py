@@ -12,22 +12,36 @@ def _listing(names: Sequence[str], at_most: int = 8) -> str:
     return shown + (f" and {len(names) - at_most} more" if len(names) > at_most else "")
 
 
-def not_savable(transform: str, argument: str, problems: Sequence[str]) -> str:
-    """The tree given to save holds something other than graph nodes of arrays."""
+_SAVABLE_FIXES = {
+    "node": "pass the modules themselves, e.g. `save(path, (model, optimizer))`;",
+    "empty": "give a tree whose modules hold Variables (parameters, statistics, ...);",
+    "outside": "hold an array a module keeps in a Variable, e.g. `self.x = nnx.Variable(x)`, "
+    "or leave that module out of the tree;",
+    "other": "hold a plain Python value in a Variable as an array, e.g. "
+    "`nnx.Variable(jnp.asarray(3))`, or keep it out of Variables;",
+    "abstract": "to save an abstract model (`nnx.eval_shape`), give it values first, e.g. with "
+    "`checkpoint.restore` or by building it for real;",
+    "tracer": "save and restore outside jit: call them before or after the jitted step;",
+    "deleted": "save the objects a donating call updated (`nnx_sharding.jit` writes the new "
+    "arrays back into your Variables), not arrays kept from before the call;",
+    "ref": "make the Variable without `ref=True`: checkpoints read and write plain arrays, and "
+    "jax updates a Ref's array in place;",
+}
+"""A fix for each kind of problem `not_savable` lists (`value_problem`'s kinds and more)."""
+
+
+def not_savable(transform: str, argument: str, problems: Sequence[tuple[str, str]]) -> str:
+    """The tree holds something other than graph nodes of arrays. ``problems``: ``(kind,
+    text)`` pairs; a kind is a key of `_SAVABLE_FIXES` and picks the fixes shown."""
+    kinds = dict.fromkeys(kind for kind, _ in problems)
     return format_message(
         transform,
         argument,
-        list(problems),
+        [text for _, text in problems],
         "Rule: the tree is a pytree (a module, a tuple, a dict, ...) of graph nodes "
         "(Modules, Optimizers, Rngs, nnx.Dict/nnx.List) whose Variables hold concrete "
         "arrays; the checkpoint holds their whole `nnx.state`, by path.",
-        [
-            "pass the modules themselves, e.g. `save(path, (model, optimizer))`;",
-            "hold a plain Python value in a Variable as an array, e.g. "
-            "`nnx.Variable(jnp.asarray(3))`, or keep it out of Variables;",
-            "to save an abstract model (`nnx.eval_shape`), give it values first, e.g. with "
-            "`checkpoint.restore` or by building it for real.",
-        ],
+        [_SAVABLE_FIXES[kind] for kind in kinds],
     )
 
 
@@ -202,7 +216,19 @@ def mismatch_detail(kind: str, path: str, here: str = "", there: str = "") -> st
     }[kind]
 
 
-def checkpoint_mismatch(transform: str, directory: str, problems: Sequence[str]) -> str:
+def checkpoint_mismatch(
+    transform: str, directory: str, problems: Sequence[str], dtypes: bool = False
+) -> str:
+    """``dtypes``: some problem is a dtype that differs (a fix says how to change one)."""
+    cast = (
+        [
+            "to change a dtype, restore into a target of the saved dtype, then cast, e.g. "
+            "`nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), "
+            "nnx.state(model)))`."
+        ]
+        if dtypes
+        else []
+    )
     return format_message(
         transform,
         "target",
@@ -214,7 +240,8 @@ def checkpoint_mismatch(transform: str, directory: str, problems: Sequence[str])
             "build the target as the saved tree was built (same modules, sizes and "
             "optimizer), e.g. with `nnx.eval_shape(lambda: ...)`;",
             "or restore part of it: `filter=nnx.Param` reads only the parameters, and "
-            "Variables of the checkpoint it does not select are not read.",
+            "Variables of the checkpoint it does not select are not read;",
+            *cast,
         ],
     )
 
@@ -303,13 +330,14 @@ def selects_nothing(transform: str, filter_: object) -> str:
 
 def value_problem(kind: str, var_type: str, where: str, value_type: str = "") -> str:
     """A problem for `not_savable`: the Variable at ``where`` holds no savable array.
-    ``kind``: abstract, tracer, deleted or other (``value_type``: what it holds)."""
+    ``kind``: abstract, tracer, deleted, ref or other (``value_type``: what it holds)."""
     return (
         f"the {var_type} at {where} "
         + {
             "abstract": "is abstract (a jax.ShapeDtypeStruct): it has no values",
             "tracer": "is a tracer: checkpoints are written and read outside jit",
             "deleted": "has been deleted (donated to a jitted call?)",
+            "ref": "is a `ref=True` Variable (its value is a jax Ref)",
             "other": f"holds {_a(value_type)}, not an array",
         }[kind]
     )

@@ -93,6 +93,7 @@ def compare(
     the JSON item records; orbax's metadata has its key data's.
     """
     problems: list[str] = []
+    dtypes = False  # some dtype differs
     for path, var in selected:
         value, here = var.get_raw_value(), where("target", path)
         key = stored_key(path)
@@ -106,6 +107,7 @@ def compare(
                 _errors.mismatch_detail("shape", here, str(tuple(value.shape)), str(shape))
             )
         if str(value.dtype) != dtype:
+            dtypes = True
             problems.append(_errors.mismatch_detail("dtype", here, str(value.dtype), dtype))
     if strict:
         targeted = {stored_key(p) for p, _ in selected}
@@ -118,7 +120,7 @@ def compare(
             path = entry.path if entry else key
             problems.append(_errors.mismatch_detail("extra", where("target", path), there=theirs))
     if problems:
-        raise ValueError(_errors.checkpoint_mismatch(transform, name, problems))
+        raise ValueError(_errors.checkpoint_mismatch(transform, name, problems, dtypes))
 
 
 def _saved_struct(metadata: Any, entry: Entry | None) -> tuple[tuple[int, ...], str]:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.core import Tracer
+from jax.tree_util import keystr
 
 from .. import _errors
 from .._sharding import is_node
@@ -84,15 +85,20 @@ def variables(transform: str, argument: str, tree: Tree) -> list[tuple[Path, nnx
     """
     keyed = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]
     problems = [
-        _errors.not_a_node_problem(f"{argument}{jax.tree_util.keystr(kp)}", type(leaf).__name__)
+        ("node", _errors.not_a_node_problem(f"{argument}{keystr(kp)}", type(leaf).__name__))
         for kp, leaf in keyed
         if not is_node(leaf)
     ]
     found = [] if problems else nnx.to_flat_state(nnx.state(tree))
     if not problems and not found:
-        problems.append(_errors.no_variables_problem(argument))
+        problems.append(("empty", _errors.no_variables_problem(argument)))
     problems += [
-        _errors.array_outside_variable_problem(where(argument, tuple(path)), type(leaf).__name__)
+        (
+            "outside",
+            _errors.array_outside_variable_problem(
+                where(argument, tuple(path)), type(leaf).__name__
+            ),
+        )
         for path, leaf in found
         if not isinstance(leaf, nnx.Variable)
     ]
@@ -101,10 +107,12 @@ def variables(transform: str, argument: str, tree: Tree) -> list[tuple[Path, nnx
     return [(tuple(path), var) for path, var in found]
 
 
-def value_problem(value: Any, restoring: bool) -> str:
-    """What is wrong with ``value`` as a Variable's value to save (or, ``restoring``,
-    to restore into: abstract and deleted arrays are fine, they are replaced): a kind
-    for `_errors.value_problem`, or ``''``."""
+def value_problem(var: nnx.Variable, value: Any, restoring: bool) -> str:
+    """What is wrong with ``value``, ``var``'s value, to save (or, ``restoring``, to
+    restore into: abstract and deleted arrays are fine, they are replaced): a kind for
+    `_errors.value_problem`, or ``''``."""
+    if var.ref:
+        return "ref"
     if isinstance(value, jax.ShapeDtypeStruct):
         return "" if restoring else "abstract"
     if isinstance(value, Tracer):
@@ -121,12 +129,11 @@ def check_values(
     problems = []
     for path, var in found:
         value = var.get_raw_value()
-        if kind := value_problem(value, restoring):
-            problems.append(
-                _errors.value_problem(
-                    kind, type(var).__name__, where(argument, path), type(value).__name__
-                )
+        if kind := value_problem(var, value, restoring):
+            text = _errors.value_problem(
+                kind, type(var).__name__, where(argument, path), type(value).__name__
             )
+            problems.append((kind, text))
     if problems:
         raise TypeError(_errors.not_savable(transform, argument, problems))
 

@@ -278,3 +278,33 @@ def test_a_shardings_prefix_that_does_not_fit_the_target(saved: Path) -> None:
     assert "is not a pytree prefix of the target" in message
     assert "one entry per element of the target" in message and "positional" not in message
     check()
+
+
+@pytest.mark.parametrize(
+    ("make", "kind", "fix"),
+    [
+        (
+            lambda: nnx.Param(jnp.ones(2), ref=True),
+            "is a `ref=True` Variable",
+            "without `ref=True`",
+        ),
+        (lambda: nnx.Variable(0.5), "holds a float, not an array", "as an array"),
+        (lambda: nnx.eval_shape(lambda: nnx.Param(jnp.ones(2))), "is abstract", "values first"),
+    ],
+    ids=["ref", "python-value", "abstract"],
+)
+def test_each_unsavable_value_gets_its_own_fix(tmp_path: Path, make, kind: str, fix: str) -> None:
+    module = nnx.Module()
+    module.v = make()
+    with pytest.raises(TypeError) as info:
+        checkpoint.save(tmp_path / "ckpt", module)
+    message = str(info.value)
+    assert f"tree.v {kind}" in message or kind in message
+    fixes = message[message.index("Fixes") :] if "Fixes" in message else message
+    assert fix in fixes and fixes.count("\n  ") <= 2  # only the fix for this problem
+
+
+def test_a_dtype_mismatch_says_how_to_change_a_dtype(saved: Path) -> None:
+    target = Different(nnx.Rngs(1))
+    with pytest.raises(ValueError, match=r"restore into a target of the saved dtype, then cast"):
+        checkpoint.restore(saved, target)
