@@ -280,18 +280,45 @@ def unplaceable(transform: str, problems: Sequence[str]) -> str:
     )
 
 
-def no_mesh_for_restore(transform: str, problems: Sequence[str]) -> str:
+def no_mesh_for_restore(transform: str, problems: Sequence[str], mesh_set: bool = False) -> str:
+    """``mesh_set``: a mesh is set, but the abstract shardings are on another one."""
+    first = (
+        "make the target under the mesh restore runs under, e.g. `with jax.set_mesh(mesh): "
+        "target = nnx.eval_shape(...)`, or give shardings for it;"
+        if mesh_set
+        else "call restore inside `with jax.set_mesh(mesh):`;"
+    )
     return format_message(
         transform,
         "shardings",
         list(problems),
         "Rule: restore places every array on devices; a PartitionSpec (from shardings or "
         "from sharding metadata) or a sharding on an abstract mesh is bound to the mesh set "
-        "with `jax.set_mesh`.",
+        "with `jax.set_mesh`, which must be that abstract mesh's.",
         [
-            "call restore inside `with jax.set_mesh(mesh):`;",
+            first,
             "or give NamedShardings, e.g. `StateSharding({nnx.Param: NamedSharding(mesh, "
             "P('model')), ...: NamedSharding(mesh, P())})`.",
+        ],
+    )
+
+
+def mixed_target(
+    transform: str, abstract_paths: Sequence[str], concrete_paths: Sequence[str]
+) -> str:
+    return format_message(
+        transform,
+        "target",
+        [
+            f"{_listing(list(abstract_paths), 3)} abstract (jax.ShapeDtypeStruct), but "
+            f"{_listing(list(concrete_paths), 3)} concrete"
+        ],
+        "Rule: a target is abstract (restore returns a new tree) or concrete (restore "
+        "updates it in place), not both: in a mixed one, the concrete part would not be "
+        "the objects restored.",
+        [
+            "make all of it abstract, e.g. `nnx.eval_shape(lambda: (Model(...), optimizer))`;",
+            "or all of it concrete, e.g. build the optimizer for real.",
         ],
     )
 

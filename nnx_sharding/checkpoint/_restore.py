@@ -52,6 +52,10 @@ def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filte
     transform = source.transform
     found = variables(transform, "target", target)
     check_values(transform, "target", found, restoring=True)
+    abstract_paths = [where("target", p) for p, v in found if _abstract(v)]
+    if abstract_paths and len(abstract_paths) < len(found):
+        concrete_paths = [where("target", p) for p, v in found if not _abstract(v)]
+        raise ValueError(_errors.mixed_target(transform, abstract_paths, concrete_paths))
     predicate = selector(transform, filter_)
     selected = [(p, v) for p, v in found if predicate is None or predicate(p, v)]
     if not selected:
@@ -71,7 +75,7 @@ def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filte
         for (path, _), s, sharding in zip(selected, shapes, placed, strict=True)
     )
     restored = flatten(source.read(abstract))
-    result = nnx.clone(target) if any(_abstract(v) for _, v in found) else target
+    result = nnx.clone(target) if abstract_paths else target
     by_path = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(result))}
     for path, _ in selected:
         by_path[path].set_value(restored[stored_key(path)])
@@ -179,7 +183,7 @@ def restore(
 
     Returns:
       A concrete tree of ``target``'s structure. A concrete target is updated in place
-      and returned itself (as `jit` returns its inputs); for an abstract one (any
+      and returned itself (as `jit` returns its inputs); for an abstract one (every
       Variable holding a ``jax.ShapeDtypeStruct``), a new tree (``nnx.clone``), the
       target left abstract.
 
@@ -190,7 +194,7 @@ def restore(
         Variable missing on either side, every shape and dtype difference, by path);
         a sharding does not divide its array, or a PartitionSpec has no mesh or names
         axes it lacks; an abstract Variable the filter leaves out; a filter that
-        selects no Variable.
+        selects no Variable; a target part abstract, part concrete.
       TypeError: ``target`` is not a pytree of graph nodes of arrays, or ``filter``
         is not an nnx filter.
 

@@ -88,13 +88,17 @@ def resolve(
             failed.append(f"{where('target', path)}: {e}")
             continue
         if isinstance(sharding, PartitionSpec) or abstract(sharding):
-            unbound.append(f"{where('target', path)}: {sharding!r}")
+            on = getattr(sharding, "mesh", None)  # an abstract sharding on another mesh
+            seen = (
+                f" (the mesh set has the axes {dict(mesh.shape)})" if on and not mesh.empty else ""
+            )
+            unbound.append(f"{where('target', path)}: {sharding!r}{seen}")
             continue
         out.append(sharding)
     if failed:
         raise ValueError(_errors.unplaceable(transform, failed))
     if unbound:
-        raise ValueError(_errors.no_mesh_for_restore(transform, unbound))
+        raise ValueError(_errors.no_mesh_for_restore(transform, unbound, not mesh.empty))
     sites = [where("target", path) for path, _ in selected]
     if misfits := incompatible_shardings(shapes, out, sites, mesh):
         raise ValueError(_errors.bad_shardings(transform, "shardings", misfits))

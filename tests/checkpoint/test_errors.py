@@ -308,3 +308,24 @@ def test_a_dtype_mismatch_says_how_to_change_a_dtype(saved: Path) -> None:
     target = Different(nnx.Rngs(1))
     with pytest.raises(ValueError, match=r"restore into a target of the saved dtype, then cast"):
         checkpoint.restore(saved, target)
+
+
+def test_a_target_part_abstract_part_concrete(saved: Path) -> None:
+    concrete = Saved(nnx.Rngs(1))
+    check = unchanged(concrete)
+    target = nnx.eval_shape(lambda: Saved(nnx.Rngs(1)))
+    target.head = concrete.head
+    with pytest.raises(ValueError, match=r"target\.encoder\.bias.* abstract .*but target\.head"):
+        checkpoint.restore(saved, target)
+    check()
+
+
+def test_a_target_made_under_another_mesh(saved: Path) -> None:
+    with jax.set_mesh(recipes.make_mesh({"data": 2, "model": 4})):
+        target = nnx.eval_shape(lambda: Saved(nnx.Rngs(1)))
+    with jax.set_mesh(recipes.make_mesh({"data": 8})):
+        with pytest.raises(ValueError) as info:
+            checkpoint.restore(saved, target)
+    message = str(info.value)
+    assert "(the mesh set has the axes {'data': 8})" in message
+    assert "make the target under the mesh restore runs under" in message
