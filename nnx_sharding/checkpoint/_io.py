@@ -50,7 +50,9 @@ def handlers(read_gb: float | None = None) -> dict[str, ocp.CheckpointHandler]:
 
 def checkpointer(read_gb: float | None = None) -> ocp.Checkpointer:
     """A synchronous orbax Checkpointer of our two items (every process calls it)."""
-    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers(read_gb)))
+    items = handlers(read_gb)
+    composite = ocp.CompositeCheckpointHandler(state=items[STATE], nnx=items[NNX])
+    return ocp.Checkpointer(composite)
 
 
 def read_gb(abstract: Nested) -> float:
