@@ -9,6 +9,7 @@ own error), and `record` / `assert_unchanged`: what a failed call must leave alo
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -162,3 +163,13 @@ def _scaled(model, n, x):
 
 class Boom(Exception):
     """The user's own error, raised inside the transformed function."""
+
+
+def check_misuse(trigger: Any, error: type[BaseException], patterns: list[str]) -> None:
+    """A misuse-table case: ``trigger()`` raises ``error`` whose message matches every
+    regex of ``patterns``."""
+    with pytest.raises(error) as info:
+        trigger()
+    message = str(info.value)
+    missing = [p for p in patterns if not re.search(p, message)]
+    assert not missing, f"the message lacks {missing}:\n{message}"
