@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import jax
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from .. import _errors
@@ -25,9 +26,7 @@ from ._state import (
     Entry,
     Key,
     check_values,
-    flatten,
     from_json,
-    nest,
     stored_key,
     variables,
     where,
@@ -67,14 +66,17 @@ def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filte
     entries = from_json(described)
     if entries is None:
         raise ValueError(_errors.foreign_checkpoint(transform, source.name, ["no 'nnx' item"]))
-    compare(transform, source.name, selected, flatten(metadata), entries, strict=predicate is None)
+    saved = ocp.tree.to_flat_dict(metadata)
+    compare(transform, source.name, selected, saved, entries, strict=predicate is None)
     shapes = [_struct(v.get_raw_value()) for _, v in selected]
     placed = resolve(transform, target, shardings, selected, shapes)
-    abstract = nest(
-        (stored_key(path), jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding))
-        for (path, _), s, sharding in zip(selected, shapes, placed, strict=True)
+    abstract = ocp.tree.from_flat_dict(
+        {
+            stored_key(path): jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+            for (path, _), s, sharding in zip(selected, shapes, placed, strict=True)
+        }
     )
-    restored = flatten(source.read(abstract))
+    restored = ocp.tree.to_flat_dict(source.read(abstract))
     result = nnx.clone(target) if abstract_paths else target
     by_path = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(result))}
     for path, _ in selected:

@@ -15,6 +15,7 @@ from typing import Any, TypeAlias
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.core import Tracer
 from jax.tree_util import keystr
@@ -28,7 +29,8 @@ Tree: TypeAlias = Any
 Key: TypeAlias = tuple[str, ...]
 """A Variable's path as stored: every part a string (orbax names arrays by them)."""
 Nested: TypeAlias = dict[str, Any]
-"""A nested dict keyed by the parts of `Key`\\ s: what orbax saves and restores."""
+"""A nested dict keyed by the parts of `Key`\\ s: what orbax saves and restores
+(``orbax.checkpoint.tree.from_flat_dict`` of ``{key: leaf}``; ``to_flat_dict`` back)."""
 Json: TypeAlias = dict[str, Any]
 """The JSON item saved beside the arrays."""
 
@@ -153,7 +155,7 @@ def savable(transform: str, tree: Tree) -> tuple[Nested, Json]:
         for path, var in found
         for value in [var.get_raw_value()]
     ]
-    arrays = nest((stored_key(path), var.get_raw_value()) for path, var in found)
+    arrays = ocp.tree.from_flat_dict({stored_key(p): var.get_raw_value() for p, var in found})
     return arrays, to_json(entries)
 
 
@@ -182,34 +184,3 @@ def from_json(data: Any) -> dict[Key, Entry] | None:
         for item in data.get("variables", [])
         for entry in [Entry(tuple(item["path"]), item["type"], tuple(item["shape"]), item["dtype"])]
     }
-
-
-def nest(items: Iterable[tuple[Key, Any]]) -> Nested:
-    """A nested dict from ``(key, leaf)`` pairs.
-
-    >>> nest([(('a', 'b'), 1), (('a', 'c'), 2)])
-    {'a': {'b': 1, 'c': 2}}
-    """
-    out: Nested = {}
-    for key, leaf in items:
-        node = out
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-        node[key[-1]] = leaf
-    return out
-
-
-def flatten(tree: Mapping[Any, Any], prefix: Key = ()) -> dict[Key, Any]:
-    """The leaves of a nested mapping by stored key (the inverse of `nest`).
-
-    >>> flatten({'a': {'b': 1, 0: 2}})
-    {('a', 'b'): 1, ('a', '0'): 2}
-    """
-    out: dict[Key, Any] = {}
-    for part, child in tree.items():
-        key = (*prefix, str(part))
-        if isinstance(child, Mapping):
-            out.update(flatten(child, key))
-        else:
-            out[key] = child
-    return out
