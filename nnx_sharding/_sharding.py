@@ -9,45 +9,27 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
-from flax.nnx import graph as nnx_graph
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 from jax.tree_util import SequenceKey, keystr
 
 from . import _errors
+from ._nodes import _NOT_NODES as _NOT_NODES
+from ._nodes import alias_paths
+from ._nodes import format_path as format_path
+from ._nodes import is_node as is_node
 from ._state_sharding import AtPath as AtPath
 from ._state_sharding import Filter as Filter
 from ._state_sharding import Path as Path
 from ._state_sharding import ShardingLike as ShardingLike
 from ._state_sharding import StateSharding as StateSharding
-from ._state_sharding import format_path as format_path
 from ._state_sharding import from_flax as from_flax
 from ._state_sharding import is_sharding_like
-
-_NOT_NODES: set[type] = {tuple, list, dict, int, float, bool, complex, str, bytes, type(None)}
-"""Types whose instances are never graph nodes; concrete array types join on first sight."""
-
-
-def is_node(x: Any) -> bool:
-    """flax's ``nnx.graph.is_graph_node``, answered from the type where it can be.
-
-    flax's answer costs 2-4 µs for a non-node (it asks whether ``x`` is an array
-    ref); `jit` asks it of every argument on every call.
-    """
-    kind = type(x)
-    if kind in _NOT_NODES:
-        return False
-    if nnx_graph.is_graph_node(x):
-        return True
-    if isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, Tracer):
-        _NOT_NODES.add(kind)  # a concrete array is never a ref: only tracers vary
-    return False
 
 
 def is_prefix_leaf(x: Any) -> bool:
@@ -313,7 +295,7 @@ def variable_shardings(
         by_path = dict(zip(flat.paths, flat.leaves, strict=True))
         aliases = [(tuple(p), value) for p, value in by_path.items()]
         if isinstance(entry, StateSharding):
-            aliases += list(_alias_paths(node, by_path))
+            aliases += list(alias_paths(node, by_path))
         for path, value in aliases:
             here = f"{where}{format_path(path)}"
             if isinstance(entry, StateSharding):
@@ -345,16 +327,6 @@ def variable_shardings(
     if conflicts:
         raise ValueError(_errors.aliased_shardings(transform, argument, conflicts))
     return chosen
-
-
-def _alias_paths(node: Any, by_path: Mapping[Path, Any]) -> Iterator[tuple[Path, Any]]:
-    """The second and later paths to each shared Variable inside ``node``."""
-    for group in nnx.find_duplicates(node):
-        first, *others = (tuple(p) for p in group)
-        for path, value in by_path.items():
-            if path[: len(first)] == first:
-                for other in others:
-                    yield other + path[len(first) :], value
 
 
 def incompatible_shardings(

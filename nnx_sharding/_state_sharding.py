@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeAlias
 
 from flax import nnx
 from jax.sharding import PartitionSpec, Sharding
 
 from . import _errors
+from ._logical import Rules, metadata_pairs
+from ._nodes import Path as Path
+from ._nodes import format_path as format_path
+from ._types import ShardingLike as ShardingLike
 
-ShardingLike: TypeAlias = Sharding | PartitionSpec | None
-"""What may stand for one array: a sharding, a spec (needs a mesh in context), or None."""
 Filter: TypeAlias = Any
 """An nnx filter: a Variable type, a tag string, a predicate ``(path, value) -> bool``, ..."""
-Path: TypeAlias = tuple[Any, ...]
-"""An nnx path: the attribute names and indices from a graph node down to a Variable."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +131,7 @@ class StateSharding:
         return None
 
     @classmethod
-    def from_metadata(
-        cls, tree: Any, rules: Sequence[tuple[str, str | tuple[str, ...] | None]] | None = None
-    ) -> StateSharding:
+    def from_metadata(cls, tree: Any, rules: Rules | None = None) -> StateSharding:
         """Shardings from Variable metadata, logical names mapped by ``rules`` (see `shard`).
 
         >>> from flax import nnx
@@ -143,9 +141,8 @@ class StateSharding:
         >>> StateSharding.from_metadata(model, rules=[('embed', None), ('mlp', 'model')])
         StateSharding({AtPath(.bias): P(), AtPath(.kernel): P(None, 'model')})
         """
-        from ._metadata import from_metadata
-
-        return from_metadata(tree, rules)
+        pairs = metadata_pairs("StateSharding.from_metadata", tree, rules)
+        return cls([(AtPath(path), spec) for path, spec in pairs])
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -200,8 +197,3 @@ def _predicate(f: Filter) -> Callable[[Path, Any], bool]:
 
 def _filter_repr(f: Filter) -> str:
     return f.__name__ if isinstance(f, type) else repr(f)
-
-
-def format_path(path: Path) -> str:
-    """``('layers', 0, 'kernel')`` -> ``.layers[0].kernel`` (the keystr style)."""
-    return "".join(f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in path)

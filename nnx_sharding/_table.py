@@ -20,7 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from . import _errors
-from ._metadata import abstract, axis_names, placement
+from ._logical import axis_names
+from ._metadata import abstract, placement
 from ._sharding import Path, ShardingLike, format_path, is_node
 
 DeviceKey: TypeAlias = int
