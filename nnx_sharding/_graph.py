@@ -490,7 +490,15 @@ def merge_abstract(
     leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
 ) -> Any:
     """Like `merge_call` but into new objects: for abstract (shape-only) outputs."""
-    leaves = abstract(leaves)
+    return merge_new(abstract(leaves), out_plan, in_flat, out_flat)
+
+
+def merge_new(
+    leaves: Sequence[Any], out_plan: OutPlan, in_flat: Sequence[Any], out_flat: Sequence[Any]
+) -> Any:
+    """The output built into new objects from per-leaf values of any kind (avals,
+    shardings, formats): ``leaves`` stand for the inputs, ``in_flat`` and ``out_flat``
+    for the program's outputs, as in `merge_call`."""
     with nnx.merge_context() as ctx:
         return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)
 

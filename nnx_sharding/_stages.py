@@ -28,8 +28,8 @@ from ._graph import (
     Site,
     abstract,
     chunks,
-    merge_abstract,
     merge_call,
+    merge_new,
     split_call,
     unflatten_all,
 )
@@ -140,13 +140,30 @@ class _Stage:
     @property
     def out_info(self) -> Any:
         """See `jax.stages.Traced.out_info`; graph nodes as abstract modules."""
-        return merge_abstract(self._in_avals(), *self._jax.out_info)
+        return self._outputs(self._jax.out_info, self._passed_through())
+
+    def _passed_through(self) -> list[Any]:
+        """Per input leaf, the ``out_info`` entry of an input returned as it came, as
+        jax's own stage writes its outputs' (here `jax.stages.Lowered.out_info`'s)."""
+        return abstract(self._in_avals())
+
+    def _outputs(self, member: Any, inputs: Sequence[Any]) -> Any:
+        """A member jax gives in the program's output structure (the output and the
+        inputs' updates), in the caller's: the function's output, each graph node as
+        it comes back, holding the member's value for each Variable. ``inputs``: per
+        input leaf in the plan's order, the value for a Variable returned unchanged."""
+        return merge_new(inputs, *member)
+
+    def _in_flat(self, member: Any) -> list[Any]:
+        """A member jax gives in the program's input structure, as per-leaf values in
+        the plan's order (donated and kept leaves interleaved back)."""
+        leaves = self._jax.in_tree.flatten_up_to(member)
+        n_donated = sum(self._plan.donate)
+        return self._plan.join(leaves[:n_donated], leaves[n_donated:])
 
     def _in_avals(self) -> list[Any]:
         """The avals of the flat leaves the program takes, in the plan's order."""
-        avals = jax.tree_util.tree_leaves(self._jax.in_avals)
-        n_donated = sum(self._plan.donate)
-        return self._plan.join(avals[:n_donated], avals[n_donated:])
+        return self._in_flat(self._jax.in_avals)
 
     @property
     def in_tree(self) -> PyTreeDef:
@@ -200,8 +217,14 @@ class Traced(_Stage):
 
     @property
     def out_avals(self) -> Any:
-        """See `jax.stages.Traced.out_avals`."""
-        return self._jax.out_avals
+        """See `jax.stages.Traced.out_avals`; structured as `out_tree`."""
+        return self._outputs(self._jax.out_avals, self._in_avals())
+
+    def _passed_through(self) -> list[Any]:
+        # jax.stages.Traced.out_info keeps each aval's weak type
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self._in_avals()
+        ]
 
     @property
     def fun_name(self) -> str:
@@ -259,6 +282,14 @@ class Compiled(_Stage):
 
     _STAGE = "Compiled"
 
+    def _passed_through(self) -> list[Any]:
+        # jax.stages.Compiled.out_info gives each output its format
+        formats = self._in_flat(self.input_formats)
+        return [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=f if f.sharding else None)
+            for a, f in zip(self._in_avals(), formats, strict=True)
+        ]
+
     @property
     def input_shardings(self) -> Any:
         """See `jax.stages.Compiled.input_shardings`."""
@@ -266,8 +297,8 @@ class Compiled(_Stage):
 
     @property
     def output_shardings(self) -> Any:
-        """See `jax.stages.Compiled.output_shardings`."""
-        return self._jax.output_shardings
+        """See `jax.stages.Compiled.output_shardings`; structured as `out_tree`."""
+        return self._outputs(self._jax.output_shardings, self._in_flat(self.input_shardings))
 
     @property
     def input_formats(self) -> Any:
@@ -276,8 +307,8 @@ class Compiled(_Stage):
 
     @property
     def output_formats(self) -> Any:
-        """See `jax.stages.Compiled.output_formats`."""
-        return self._jax.output_formats
+        """See `jax.stages.Compiled.output_formats`; structured as `out_tree`."""
+        return self._outputs(self._jax.output_formats, self._in_flat(self.input_formats))
 
     def as_text(self) -> str | None:
         """See `jax.stages.Compiled.as_text`."""
