@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "docs" / "api.md"
 PUBLIC = ("nnx_sharding", "nnx_sharding.checkpoint", "nnx_sharding.recipes", "nnx_sharding.plan")
 """The public modules; one that does not exist (yet) is skipped."""
-GROUPS = ("Transforms", "Shardings", "Stages", "Inspection", "Checkpoints", "AOT and export")
-GROUPS += ("Launching", "Recipes")
-"""The sections of the reference, in order (a ``Planning`` section joins with the planner)."""
+PLANNING = importlib.util.find_spec("nnx_sharding.plan") is not None
+GROUPS = ("Transforms", "Shardings", "Stages", "Inspection")
+GROUPS += ("Planning",) * PLANNING + ("Checkpoints", "AOT and export", "Launching", "Recipes")
+"""The sections of the reference, in order: ``Planning`` once ``nnx_sharding.plan`` exists."""
 INTERNALS = ("CallPlan", "Site]", "_Stage", "Bases:", "**options", "jax_stage", "CachedCall")
 
 
