@@ -122,7 +122,7 @@ def cpu_devices_or_rerun(count: int, argv: Sequence[str]) -> int | None:
     env[CHILD_ENV] = str(count)
     command = [sys.executable, "-m", "nnx_sharding", *argv]
     try:  # the child writes straight to this process's files, as it goes
-        files = {"stdout": sys.stdout.fileno(), "stderr": sys.stderr.fileno()}
+        out, err = sys.stdout.fileno(), sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # streams without a file (pytest's capture)
         child = subprocess.run(command, env=env, capture_output=True, text=True)
         sys.stdout.write(child.stdout)
@@ -130,4 +130,4 @@ def cpu_devices_or_rerun(count: int, argv: Sequence[str]) -> int | None:
         return child.returncode
     sys.stdout.flush()
     sys.stderr.flush()
-    return subprocess.run(command, env=env, **files).returncode
+    return subprocess.run(command, env=env, stdout=out, stderr=err).returncode
