@@ -82,7 +82,8 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Per-call overhead benchmark; writes JSON and a plot to benchmarks/results/."""
+    """Per-call overhead benchmark; writes JSON, a plot and Markdown tables to
+    benchmarks/results/ (benchmarks/overhead_report.py puts them into the docs)."""
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/overhead.py", *session.posargs)
 

@@ -25,7 +25,10 @@ of the functional jax.jit is timed on fresh models and step functions: the media
 
 Run:  python benchmarks/overhead.py [--quick] [--depths 5,20,100] [--tag gpu] [--out DIR]
   or  nox -s bench
-Writes overhead[-TAG].json and overhead[-TAG].png to benchmarks/results/ (or --out).
+Writes overhead[-TAG].json, overhead[-TAG].png (time per call over the floor, by depth) and
+overhead[-TAG].md (the tables of docs/performance.md) to benchmarks/results/ (or --out). Then
+`python benchmarks/overhead_report.py benchmarks/results/overhead.json --docs` puts the run
+into docs/performance.md and docs/assets/ (see overhead_report.py).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import Array
+from overhead_report import write as write_report  # benchmarks/, the script's directory
 from rich.console import Console
 from rich.table import Table
 
@@ -417,36 +421,6 @@ def print_table(title: str, rows: dict[str, Any], depths: list[int], cell: CellF
     console.print(table)
 
 
-def plot(steps: dict[str, Any], depths: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(STEPS), figsize=(12, 5))
-    colors = dict(zip(VARIANTS, plt.colormaps["tab10"].colors, strict=False))  # same in both
-    handles: dict[str, Any] = {}
-    for ax, name in zip(axes, STEPS, strict=True):
-        for variant, by_depth in steps[name].items():
-            points = [(d, c["us"]) for d in depths if (c := by_depth[str(d)])["us"] is not None]
-            if points:
-                style = "--" if variant.startswith("floor") else "-"
-                (line,) = ax.plot(
-                    *zip(*points, strict=True), style, marker="o", color=colors[variant]
-                )
-                handles[variant] = line
-        ax.set(title=f"{name} step", xlabel="depth", ylabel="µs per call")
-        ax.set(xscale="log", yscale="log")
-        ax.set_xticks(depths, [str(d) for d in depths])
-        ax.set_xticks([], minor=True)
-        ax.grid(True, which="both", alpha=0.3)
-    ordered = [v for v in VARIANTS if v in handles]
-    fig.legend([handles[v] for v in ordered], ordered, loc="lower center", ncol=5, fontsize=9)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(
@@ -515,8 +489,8 @@ def main() -> None:
         "first_call": first,
     }
     Path(f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(steps, depths, Path(f"{stem}.png"))
-    console.print(f"wrote {stem}.json and {stem}.png")
+    write_report(report, stem)  # the plot and the Markdown tables
+    console.print(f"wrote {stem}.json, {stem}.png and {stem}.md")
 
 
 if __name__ == "__main__":

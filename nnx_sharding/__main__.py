@@ -1,69 +1,95 @@
-"""The main job: ``python -m nnx_sharding [--devices N] [--steps N] [--mesh data=2,model=4]
-[--checkpoint DIR]``.
+"""The command line: ``python -m nnx_sharding [--devices N] [--steps N] [--mesh AXES]
+[--checkpoint DIR]``, and its commands (`SUBCOMMANDS`): ``python -m nnx_sharding aot ...``.
 
 Trains the tensor-parallel MLP recipe (`nnx_sharding.recipes`) on simulated CPU
 devices next to a single-device reference, then prints every parameter's sharding
 and both final losses. A mesh with a ``data`` axis trains the data-parallel recipe
 (with ``model`` too: both, on a 2-D mesh). With ``--checkpoint DIR`` the sharded run
 saves to DIR as it trains and, when DIR holds a checkpoint, resumes from it.
+
+Every command gets its simulated devices through `nnx_sharding._cli.cpu_devices_or_rerun`.
+A new command is one entry of `SUBCOMMANDS`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
+import re
 import sys
-from typing import NoReturn
+import textwrap
+from collections.abc import Callable, Sequence
 
-AXES = ("data", "model")
+from ._cli import Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
+from ._launch import DESCRIPTION as LAUNCH_DESCRIPTION
+from ._launch import USAGE as LAUNCH_USAGE
+
+PROG = "python -m nnx_sharding"
 DESCRIPTION = "Trains a sharded nnx MLP on simulated CPU devices next to a one-device reference."
-EPILOG = (
-    "The mesh picks the recipe: 'model' alone, tensor parallel (Megatron, shard_map); "
-    "'data' alone, data parallel; both, data x tensor parallel."
-)
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "aot": (
+        "nnx_sharding._aot:aot_main",
+        "compile a sharded transformer's training step ahead of time, never allocated; "
+        "print its per-device memory and cost",
+    ),
+}
+"""``python -m nnx_sharding NAME ...``: NAME -> (``module:function`` taking the rest of
+the command line and returning the exit status, a one-line description for ``--help``)."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line on stderr (not argparse's usage block), exit status 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+def _epilog() -> str:
+    """The recipes, the commands (from `SUBCOMMANDS`) and the launcher, for ``--help``."""
 
+    def entry(head: str, text: str) -> str:
+        lines = textwrap.wrap(text, 80, initial_indent=f"  {head:<8}", subsequent_indent=" " * 10)
+        return "\n".join(lines)
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _mesh(text: str) -> dict[str, int]:
-    axes: dict[str, int] = {}
-    for item in text.split(","):
-        name, eq, size = item.partition("=")
-        name = name.strip()
-        if not eq or name not in AXES:
-            raise argparse.ArgumentTypeError(
-                f"expected NAME=SIZE pairs with NAME in {AXES}, e.g. data=2,model=4; got {item!r}"
-            )
-        if name in axes:
-            raise argparse.ArgumentTypeError(f"axis {name!r} is given twice")
-        axes[name] = _positive(size.strip())
-    # tensor-parallel axis innermost, whatever the order given
-    return {name: axes[name] for name in AXES if name in axes}
-
-
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """The options, checked; a bad value exits with one line on stderr and status 2."""
-    parser = _Parser(prog="python -m nnx_sharding", description=DESCRIPTION, epilog=EPILOG)
-    parser.add_argument(
-        "--devices", type=_positive, help="simulated CPU devices (default: the mesh's size, or 8)"
+    commands = "\n".join(entry(name, text) for name, (_, text) in SUBCOMMANDS.items())
+    # an option and its value stay on one line: wrap at the spaces between [...] groups
+    groups = [g.replace(" ", "\0") for g in re.findall(r"\[[^\]]*\]|\S+", LAUNCH_USAGE)]
+    launcher = [
+        line.replace("\0", " ")
+        for line in textwrap.wrap(
+            " ".join(groups), 80, initial_indent="  ", subsequent_indent=" " * 6
+        )
+    ]
+    return (
+        "The mesh picks the recipe: 'model' alone, tensor parallel (Megatron, shard_map);\n"
+        "'data' alone, data parallel; both, data x tensor parallel.\n\n"
+        f"commands ({PROG} COMMAND --help for their options):\n{commands}\n\n"
+        "launcher (multi-process runs on one machine):\n"
+        + "\n".join(launcher)
+        + "\n"
+        + "\n".join(textwrap.wrap(LAUNCH_DESCRIPTION, 80, initial_indent=" " * 4))
     )
-    parser.add_argument("--steps", type=_positive, default=300, help="training steps (300)")
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The training job's options, checked; a bad value exits with one line and status 2."""
+    parser = Parser(
+        prog=PROG,
+        usage=f"{PROG} [--devices N] [--steps N] [--mesh AXES] [--checkpoint DIR]\n"
+        f"       {PROG} {{{','.join(SUBCOMMANDS)}}} [--help] ...",
+        description=DESCRIPTION,
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
-        "--mesh", type=_mesh, help="mesh axes, e.g. data=2,model=4 (default: model=DEVICES)"
+        "--devices",
+        type=positive,
+        metavar="N",
+        help="simulated CPU devices (default: the mesh's size; without --mesh, 8)",
+    )
+    parser.add_argument(
+        "--steps", type=positive, metavar="N", default=300, help="training steps (default: 300)"
+    )
+    parser.add_argument(
+        "--mesh",
+        type=mesh_axes,
+        metavar="AXES",
+        help="mesh axes, e.g. data=2,model=4 (default: model=N, N the devices)",
     )
     parser.add_argument(
         "--checkpoint",
@@ -82,28 +108,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.devices = math.prod(args.mesh.values())
     elif math.prod(args.mesh.values()) != args.devices:
         parser.error(
-            f"--mesh {','.join(f'{k}={v}' for k, v in args.mesh.items())} has "
-            f"{math.prod(args.mesh.values())} devices, but --devices is {args.devices}"
+            f"--mesh {mesh_text(args.mesh)} has {math.prod(args.mesh.values())} devices, "
+            f"but --devices is {args.devices}"
         )
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the command line (``aot ...``: ahead-of-time compile; else train); the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["aot"]:  # python -m nnx_sharding aot --config NAME --mesh data=2,model=4
-        import jax
+def subcommand(name: str) -> Callable[[Sequence[str]], int]:
+    """The function that runs ``python -m nnx_sharding NAME``, imported on demand."""
+    module, _, function = SUBCOMMANDS[name][0].partition(":")
+    main: Callable[[Sequence[str]], int] = getattr(importlib.import_module(module), function)
+    return main
 
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", 8)
-        from nnx_sharding._aot import aot_main
 
-        return aot_main(argv[1:])
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line (a subcommand, else the training job); the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return subcommand(argv[0])(argv[1:])
     args = parse(argv)
-    import jax  # configured before any backend starts
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    status = cpu_devices_or_rerun(args.devices, argv)
+    if status is not None:
+        return status
     from nnx_sharding.recipes._job import run
 
     return run(args.mesh, args.steps, checkpoint=getattr(args, "checkpoint", None))

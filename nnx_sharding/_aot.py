@@ -1,6 +1,7 @@
 """Ahead-of-time memory and cost reports of a decoder-only transformer, never allocated.
 
-``python -m nnx_sharding aot --config 1b --mesh data=2,model=4`` builds the model with
+``python -m nnx_sharding aot --config 1b --mesh data=2,model=4`` (any device count:
+``--devices 16 --mesh data=4,model=4``) builds the model with
 ``nnx.eval_shape`` (its Variables hold ``jax.ShapeDtypeStruct``s), gives each Variable a
 ``NamedSharding`` from its logical axis names (FSDP over ``data``, tensor parallelism over
 ``model``), lowers and compiles one SGD training step with `nnx_sharding.jit`, and prints
@@ -10,12 +11,11 @@ parameter is ever allocated: a 1B-parameter model is compiled in a few hundred M
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +26,11 @@ from rich.console import Console
 from rich.table import Table
 
 from . import _errors
+from ._cli import MESH_AXES, Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
 from ._jit import jit
 from ._metadata import shard
 
-AXES = ("data", "model")
+AXES = MESH_AXES
 """The mesh axes the configs shard over: FSDP over ``data``, tensor parallelism over ``model``."""
 PROG = "python -m nnx_sharding aot"
 
@@ -177,13 +178,13 @@ def rules_for(mesh: Mesh) -> list[tuple[str, str | None]]:
     ]
 
 
-def _indivisible(c: DecoderConfig, mesh: Mesh) -> list[str]:
-    sizes = dict(mesh.shape)
+def _indivisible(c: DecoderConfig, sizes: Mapping[str, int]) -> list[str]:
+    """What a mesh of these axis sizes cannot split, one line each."""
     dims = {"batch": c.batch, "embed": c.d_model, "heads": c.heads, "mlp": c.mlp, "vocab": c.vocab}
     return [
         f"{name} ({dims[name]}) is not divisible by mesh axis {axis!r} ({sizes[axis]})"
-        for name, axis in rules_for(mesh)
-        if axis is not None and dims[name] % sizes[axis]
+        for name, axis in LOGICAL_AXES.items()
+        if axis in sizes and dims[name] % sizes[axis]
     ]
 
 
@@ -195,7 +196,7 @@ def abstract_model(config: DecoderConfig, mesh: Mesh) -> Decoder:
     >>> model.layers[0].up.get_value().sharding.spec
     P(None, 'model')
     """
-    wrong = _indivisible(config, mesh)
+    wrong = _indivisible(config, dict(mesh.shape))
     if wrong:
         raise ValueError(_errors.aot_indivisible("aot_report", config.name, wrong))
     with nnx.use_eager_sharding(False):  # logical names: nothing to place at creation
@@ -347,63 +348,56 @@ def aot_report(config: str | DecoderConfig, mesh: Mesh | Mapping[str, int]) -> A
 # --- the command line ---------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line on stderr, exit status 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _mesh_option(text: str) -> dict[str, int]:
-    axes: dict[str, int] = {}
-    for item in text.split(","):
-        name, eq, size = (part.strip() for part in item.partition("="))
-        if not eq or name not in AXES:
-            raise argparse.ArgumentTypeError(
-                f"expected NAME=SIZE pairs with NAME in {AXES}, e.g. data=2,model=4; got {item!r}"
-            )
-        if name in axes:
-            raise argparse.ArgumentTypeError(f"axis {name!r} is given twice")
-        if not size.isdigit() or int(size) < 1:
-            raise argparse.ArgumentTypeError(f"expected a positive size for {name!r}, got {size!r}")
-        axes[name] = int(size)
-    return {name: axes[name] for name in AXES if name in axes}  # 'model' innermost
-
-
 def _default_mesh(devices: int) -> dict[str, int]:
     """``data=2,model=N/2`` for an even device count, else ``model=N``."""
     return {"data": 2, "model": devices // 2} if devices % 2 == 0 else {"model": devices}
 
 
 def aot_main(argv: Sequence[str]) -> int:
-    """``python -m nnx_sharding aot --config NAME --mesh data=2,model=4``: prints the report.
+    """``python -m nnx_sharding aot [--config NAME] [--devices N] [--mesh AXES]``.
 
-    Uses the devices jax already has (the caller configures them); the mesh must use
-    all of them. A bad option exits with one line on stderr and status 2.
+    Prints the `aot_report` of one training step of the config on a mesh of simulated
+    CPU devices, any count: ``--devices`` defaults to the mesh's size (8 when neither
+    is given), and the mesh to ``data=2`` and ``model`` the rest. The process gets the
+    devices through `nnx_sharding._cli.cpu_devices_or_rerun`. A bad option, a mesh
+    whose size is not ``--devices`` or one that cannot split the config exits with
+    one line on stderr and status 2, before anything is compiled.
 
     Returns:
       The exit status, 0.
     """
-    parser = _Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
+    parser = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--config", default="1b", help=f"one of {', '.join(CONFIGS)} (default: 1b)")
     parser.add_argument(
+        "--devices",
+        type=positive,
+        metavar="N",
+        help="simulated CPU devices (default: the mesh's size; without --mesh, 8)",
+    )
+    parser.add_argument(
         "--mesh",
-        type=_mesh_option,
-        default=None,
-        help="mesh axes, e.g. data=2,model=4 (default: data=2 and model the rest)",
+        type=mesh_axes,
+        metavar="AXES",
+        help="mesh axes, e.g. data=2,model=4; their sizes multiply to N "
+        "(default: data=2 and model=N/2, or model=N for an odd N)",
     )
     args = parser.parse_args(list(argv))
     if args.config not in CONFIGS:
         parser.error(f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)}")
-    devices = jax.device_count()
-    mesh = args.mesh or _default_mesh(devices)
-    shown = ",".join(f"{k}={v}" for k, v in mesh.items())
-    if math.prod(mesh.values()) != devices:
-        parser.error(
-            f"--mesh {shown} has {math.prod(mesh.values())} devices, but jax has {devices}"
-        )
-    wrong = _indivisible(CONFIGS[args.config], make_mesh(mesh))
+    if args.mesh is None:
+        args.devices = args.devices or 8
+        args.mesh = _default_mesh(args.devices)
+    size = math.prod(args.mesh.values())
+    shown = mesh_text(args.mesh)
+    if args.devices is None:
+        args.devices = size
+    elif size != args.devices:
+        parser.error(f"--mesh {shown} has {size} devices, but --devices is {args.devices}")
+    wrong = _indivisible(CONFIGS[args.config], args.mesh)
     if wrong:
         parser.error(f"--mesh {shown} cannot shard config {args.config!r}: {wrong[0]}")
-    report = aot_report(args.config, mesh)
-    Console().print(report)
+    status = cpu_devices_or_rerun(args.devices, ["aot", *argv])
+    if status is not None:
+        return status
+    Console().print(aot_report(args.config, args.mesh))
     return 0

@@ -26,6 +26,11 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any, NoReturn, TextIO, TypeVar
 
 PROG = "nnx_sharding.launch"
+USAGE = (
+    "python -m nnx_sharding.launch -n N [--devices-per-process D] [--timeout SECONDS] "
+    "SCRIPT [ARGS...]"
+)
+DESCRIPTION = "runs SCRIPT as N jax.distributed CPU processes on this machine"
 NUM_PROCESSES_ENV = "NNX_SHARDING_NUM_PROCESSES"
 PROCESS_ID_ENV = "NNX_SHARDING_PROCESS_ID"
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
@@ -278,7 +283,13 @@ def _checked(kind: Callable[[str], _T], what: str, ok: Callable[[_T], bool]) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point: parses ``argv`` and runs :func:`launch`; returns its code."""
-    parser = _Parser(prog=PROG, description="Run SCRIPT as N jax.distributed CPU processes.")
+    parser = _Parser(
+        prog=PROG,
+        usage=USAGE,
+        description=f"{DESCRIPTION[0].upper()}{DESCRIPTION[1:]}: relays their output, "
+        "stops them all when one fails. The script calls "
+        "nnx_sharding.initialize_distributed() first.",
+    )
     count = _checked(int, "a positive integer", lambda v: v > 0)
     seconds = _checked(float, "a positive number", lambda v: v > 0)
     pause = _checked(float, "a number >= 0", lambda v: v >= 0)

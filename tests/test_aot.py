@@ -1,6 +1,8 @@
 """Abstract inputs: lowering and compiling models that are never allocated; the aot report."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
-from nnx_sharding._aot import CONFIGS, aot_main, aot_report
+from nnx_sharding._aot import CONFIGS, _size, aot_main, aot_report
 
 ROOT = Path(__file__).resolve().parent.parent
 MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
@@ -166,7 +168,19 @@ def test_aot_main_prints_the_report_table(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--mesh", "data=3,model=4"], "--mesh data=3,model=4 has 12 devices, but jax has 8"),
+        (
+            ["--devices", "8", "--mesh", "model=4"],
+            "--mesh model=4 has 4 devices, but --devices is 8",
+        ),
+        (
+            ["--devices", "16", "--mesh", "data=2,model=4"],
+            "--mesh data=2,model=4 has 8 devices, but --devices is 16",
+        ),
+        (["--devices", "0"], "argument --devices: expected a positive integer, got '0'"),
+        (
+            ["--mesh", "data=3,model=4"],
+            "cannot shard config '1b': batch (8) is not divisible by mesh axis 'data' (3)",
+        ),
         (["--mesh", "fsdp=8"], "expected NAME=SIZE pairs with NAME in ('data', 'model')"),
         (["--mesh", "data=2,data=4"], "axis 'data' is given twice"),
         (["--mesh", "data=two"], "expected a positive size for 'data', got 'two'"),
@@ -185,6 +199,73 @@ def test_aot_main_rejects_bad_options_in_one_line(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("python -m nnx_sharding aot: error: ")
     assert message in err
+
+
+def aot(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "nnx_sharding", "aot", *args],
+        cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def per_device_parameters(out: str) -> str:
+    found = re.search(r"parameter bytes\s+│\s+([\d.]+ \w+)", out)
+    assert found, out
+    return found[1]
+
+
+@pytest.mark.parametrize(
+    "args, env, title",
+    [
+        (["--devices", "4", "--mesh", "model=4"], {}, "mesh model=4 (4 devices)"),
+        (["--mesh", "model=4"], {}, "mesh model=4 (4 devices)"),  # --devices: the mesh's
+        # the environment's device count does not matter: the command sets its own
+        (
+            ["--devices", "16", "--mesh", "data=4,model=4"],
+            {"JAX_NUM_CPU_DEVICES": "3"},
+            "mesh data=4,model=4 (16 devices)",
+        ),
+        (["--devices", "2"], {}, "mesh data=2,model=1 (2 devices)"),  # the default mesh
+    ],
+)
+def test_aot_runs_on_the_devices_its_mesh_needs(args, env, title):
+    run = aot("--config", "tiny", *args, env=env)
+    assert run.returncode == 0, run.stderr
+    assert f"AOT: config 'tiny', {title}" in run.stdout and "Traceback" not in run.stderr
+    n = int(re.search(r"\((\d+) devices\)", title)[1])
+    c = CONFIGS["tiny"]
+    matrices = c.param_count() - (2 * c.layers + 1) * c.d_model
+    per_device = (matrices // n + (2 * c.layers + 1) * c.d_model) * 4  # every matrix split n ways
+    assert per_device_parameters(run.stdout) == _size(per_device)
+
+
+def test_aot_mismatched_devices_is_one_line_from_the_command_line():
+    run = aot("--devices", "16", "--mesh", "data=2,model=4")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == (
+        "python -m nnx_sharding aot: error: --mesh data=2,model=4 has 8 devices, "
+        "but --devices is 16 (see --help)\n"
+    )
+
+
+def test_aot_main_on_another_device_count_reruns_itself(capsys):
+    """This process has 8 devices: a 4-device mesh runs in a fresh process, same output."""
+    assert aot_main(["--config", "tiny", "--mesh", "model=4"]) == 0
+    out = capsys.readouterr().out
+    assert "AOT: config 'tiny', mesh model=4 (4 devices)" in out
+
+
+def test_aot_help_says_what_it_accepts(capsys):
+    with pytest.raises(SystemExit) as info:
+        aot_main(["--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[--config CONFIG] [--devices N] [--mesh AXES]" in out
+    assert "--devices N simulated CPU devices (default: the mesh's size; without --mesh, 8)" in out
+    assert (
+        "their sizes multiply to N (default: data=2 and model=N/2, or model=N for an odd N)" in out
+    )
 
 
 def test_aot_report_errors_name_the_argument():

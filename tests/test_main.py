@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nnx_sharding import __main__ as cli
 from nnx_sharding.__main__ import parse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ def test_devices_alone_sets_the_model_axis():
         (["--mesh", "data=3,model=4", "--devices", "8"], "has 12 devices, but --devices is 8"),
         (["--mesh", "batch=8"], "expected NAME=SIZE pairs with NAME in ('data', 'model')"),
         (["--mesh", "data=2,data=4"], "axis 'data' is given twice"),
-        (["--mesh", "data=two"], "expected a positive integer, got 'two'"),
+        (["--mesh", "data=two"], "expected a positive size for 'data', got 'two'"),
         (["--mesh", "model"], "got 'model'"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],
@@ -99,6 +100,55 @@ def test_bad_options_from_the_command_line(argv):
     assert run.returncode == 2
     assert run.stdout == "" and len(run.stderr.splitlines()) == 1, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_help_lists_the_options_the_commands_and_the_launcher():
+    run = job("--help")
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    out = run.stdout
+    assert out.startswith("usage: python -m nnx_sharding [--devices N] [--steps N] [--mesh AXES]")
+    assert "python -m nnx_sharding {aot} [--help] ..." in out
+    for option in ("--devices N", "--steps N", "--mesh AXES", "--checkpoint DIR"):
+        assert option in out
+    commands = out[out.index("commands (") : out.index("launcher")]
+    assert re.search(r"^  aot +compile a sharded transformer's training step", commands, re.M)
+    assert "python -m nnx_sharding COMMAND --help" in commands
+    launcher = out[out.index("launcher") :]
+    assert "python -m nnx_sharding.launch -n N [--devices-per-process D]" in launcher
+    assert "[--timeout SECONDS] SCRIPT [ARGS...]" in launcher  # an option stays whole
+    assert "runs SCRIPT as N jax.distributed CPU processes" in launcher
+    assert max(map(len, out.splitlines())) <= 88, out
+    # the launcher's own help: the usage the main help shows
+    launch = subprocess.run(
+        [sys.executable, "-m", "nnx_sharding.launch", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert launch.returncode == 0
+    assert launch.stdout.startswith(f"usage: {cli.LAUNCH_USAGE}\n")
+
+
+def test_a_new_command_is_one_entry(monkeypatch, capsys):
+    """--help and the dispatch both come from SUBCOMMANDS."""
+    monkeypatch.setitem(cli.SUBCOMMANDS, "echo", (f"{__name__}:echo_main", "prints its arguments"))
+    with pytest.raises(SystemExit) as raised:
+        parse(["--help"])
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    assert "{aot,echo}" in out and re.search(r"^  echo +prints its arguments$", out, re.M)
+    assert cli.main(["echo", "a", "--b"]) == 7
+    assert capsys.readouterr().out == "['a', '--b']\n"
+
+
+def echo_main(argv):
+    print(list(argv))
+    return 7
+
+
+def test_the_job_on_a_device_count_jax_does_not_have_runs_in_a_fresh_process(capsys):
+    """This process has 8 devices: --devices 2 re-runs the command with 2."""
+    assert cli.main(["--devices", "2", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "on mesh {'model': 2}" in out and "3/3" in out
 
 
 def test_aot_subcommand_reports_and_refuses_bad_options():
