@@ -151,7 +151,8 @@ def sharding_mismatch(
         f"{argument}.",
         [
             "move it first, e.g. `jax.device_put(x, sharding)`, or for a module "
-            "`nnx.update(model, jax.device_put(nnx.state(model), shardings))`;",
+            "`nnx_sharding.shard(model, shardings)` (inside `with jax.set_mesh(mesh):` "
+            "for PartitionSpecs);",
             f"or ask for the sharding it has in {argument} (None takes the argument's own).",
         ],
         flax="Sharding passed to jit does not match the sharding on the respective arg",
