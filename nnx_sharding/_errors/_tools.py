@@ -17,7 +17,7 @@ def not_a_node(transform: str, argument: str, type_name: str) -> str:
         "Rule: the tree is a graph node (Module, Optimizer, nnx.List/nnx.Dict, ...) or an "
         "nnx.State of Variables.",
         [
-            "pass the module itself, e.g. `shard(model)`;",
+            f"pass the module itself, e.g. `{transform}(model)`;",
             "or its state, e.g. `nnx.state(model)`.",
         ],
     )
@@ -56,8 +56,19 @@ def unknown_logical_axes(transform: str, problems: Sequence[str], known: Sequenc
 
 
 def unknown_mesh_axes(
-    transform: str, argument: str, problems: Sequence[str], mesh_axes: Sequence[str]
+    transform: str,
+    argument: str,
+    problems: Sequence[str],
+    mesh_axes: Sequence[str],
+    lacking: Sequence[str] = (),
 ) -> str:
+    """``lacking``: the axes named that the mesh lacks (the example mesh has the first)."""
+    kept = [a for a in mesh_axes if a not in lacking][:1]
+    names = (*kept, *lacking[:1]) or ("data", "model")
+    shape = "(2, 4)" if len(names) == 2 else "(8,)"
+    example = (
+        f"jax.make_mesh({shape}, ({', '.join(repr(n) for n in names)}{',' * (len(names) == 1)}))"
+    )
     return format_message(
         transform,
         argument,
@@ -67,7 +78,7 @@ def unknown_mesh_axes(
         + ".",
         [
             "map the logical name to an existing mesh axis (or None) in rules;",
-            "or use a mesh that has that axis, e.g. `jax.make_mesh((2, 4), ('data', 'model'))`.",
+            f"or use a mesh that has that axis, e.g. `{example}`.",
         ],
     )
 
