@@ -227,7 +227,8 @@ def shard(tree: T, shardings: Placement = None, rules: Rules | None = None) -> T
       mapped to mesh axes by ``rules``; Variables without metadata are replicated.
 
     Arrays already on devices (committed ones included) are moved; abstract values
-    (``nnx.eval_shape``) get a ``ShapeDtypeStruct`` carrying the sharding instead.
+    (``nnx.eval_shape``) get a ``ShapeDtypeStruct`` carrying the sharding instead;
+    values that are not arrays (a Python scalar) are left as they are.
 
     Args:
       tree: a graph node (e.g. a Module or an Optimizer) or an ``nnx.State``.
