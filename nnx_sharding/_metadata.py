@@ -195,12 +195,9 @@ def _given_shardings(tree: Any, shardings: Placement) -> list[tuple[Path, nnx.Va
     flat = [(tuple(path), var) for path, var in nnx.to_flat_state(state)]
     if not isinstance(shardings, StateSharding):
         return [(path, var, shardings) for path, var in flat]
-    if isinstance(tree, nnx.State):
-        entries = [
-            ("", state, var, path, shardings.find(path, var), type(var).__name__)
-            for path, var in flat
-        ]
-        missing = [(format_path(e[3]) or "<root>", e[5]) for e in entries if e[4] is None]
+    if isinstance(tree, nnx.State):  # no graph, no shared Variables: filters only
+        found = [(path, var, shardings.find(path, var)) for path, var in flat]
+        missing = [(format_path(p) or "<root>", type(v).__name__) for p, v, i in found if i is None]
         if missing:
             (where, type_name), *more = missing
             raise ValueError(
@@ -208,9 +205,8 @@ def _given_shardings(tree: Any, shardings: Placement) -> list[tuple[Path, nnx.Va
                     where, type_name, shardings.filters, "shard", "shardings", more
                 )
             )
-        chosen = {id(e[2]): (shardings.shardings[e[4]], "") for e in entries}  # type: ignore[index]
-    else:
-        chosen = variable_shardings("shard", "shardings", [("", tree, shardings)])
+        return [(p, v, shardings.shardings[i]) for p, v, i in found if i is not None]
+    chosen = variable_shardings("shard", "shardings", [("", tree, shardings)])
     return [(path, var, chosen[id(var)][0]) for path, var in flat if id(var) in chosen]
 
 
