@@ -133,6 +133,32 @@ def test_readme_code_runs() -> None:
     check(README)
 
 
+# How a page that needs several devices gets them: its first block, exactly this.
+DEVICE_SETUP = """\
+# This page uses 8 devices: on a machine without them, simulate 8 on the CPU
+# (this must run before jax is imported).
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_NUM_CPU_DEVICES"] = "8\""""
+DEVICE_WORDS = re.compile(r"JAX_NUM_CPU_DEVICES|jax_num_cpu_devices|xla_force_host_platform")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
+def test_device_setup_comes_first(page: Path) -> None:
+    """A page that asks for devices does it in its first block, in the common words."""
+    blocks = [code for _, code, skipped in code_blocks(page.read_text()) if not skipped]
+    asking = [code for code in blocks if DEVICE_WORDS.search(code)]
+    if asking:
+        assert blocks[0] == DEVICE_SETUP, f"{page.name}: first block:\n{blocks[0]}"
+        assert asking == [blocks[0]], f"{page.name} sets devices after its first block"
+
+
+def test_readme_sets_its_devices_first() -> None:
+    first = code_blocks(README.read_text())[0][1]
+    assert first.startswith(DEVICE_SETUP.replace("This page", "This example"))
+
+
 def test_pages_run_without_device_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pages' interpreter gets none of the suite's device set-up: a page that does
     not ask for devices sees one."""
