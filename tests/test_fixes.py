@@ -238,6 +238,33 @@ CASES = [
         check="close(y, 2 * expected)",
     ),
     Case(
+        "not_callable",
+        1,
+        "def forward(model, x):\n    return model(x)\n",
+        "nnx_sharding.shard_map(out_specs=P('data'))(3)",
+        "f = nnx_sharding.shard_map("
+        "forward, mesh=mesh, in_specs=(P(), P('data')), out_specs=P('data'))\n"
+        "y = f(model, x)",
+        TypeError,
+        names=(
+            ("shard_map(", "nnx_sharding.shard_map("),
+            ("out_specs=P()", "mesh=mesh, in_specs=(P(), P('data')), out_specs=P('data')"),
+        ),
+        id="shard_map",
+        check="close(y, expected)",
+    ),
+    Case(
+        "not_callable",
+        1,
+        "def forward(model, x):\n    return model(x)\n",
+        "nnx_sharding.export(x, forward)",
+        "exported = nnx_sharding.export(forward, model, x)",
+        TypeError,
+        names=(("export(", "nnx_sharding.export("), ("*args", "model, x")),
+        id="export",
+        check="y, _ = exported.call(model, x)\nclose(y, expected)",
+    ),
+    Case(
         "bad_prefix_entry",
         1,
         "",
