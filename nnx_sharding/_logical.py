@@ -91,6 +91,7 @@ def metadata_specs(
     out: list[tuple[Path, nnx.Variable, ShardingLike]] = []
     unknown: list[str] = []
     missing_axes: list[str] = []
+    lacking_axes: dict[str, None] = {}
     known: dict[str, None] = dict.fromkeys(name for name, _ in checked or ())
     mesh_axes: Sequence[str] = ()
     rules_context = (
@@ -117,6 +118,7 @@ def metadata_specs(
             if isinstance(spec, PartitionSpec) and var_mesh is not None:
                 lacking = [a for a in axis_names(spec) if a not in var_mesh.axis_names]
                 mesh_axes = var_mesh.axis_names if lacking else mesh_axes
+                lacking_axes.update(dict.fromkeys(lacking))
                 missing_axes += [
                     f"the Variable at {where} is sharded over {name!r}, which the mesh "
                     f"{dict(var_mesh.shape)} lacks"
@@ -128,7 +130,11 @@ def metadata_specs(
     if unknown:
         raise ValueError(_errors.unknown_logical_axes(transform, unknown, list(known)))
     if missing_axes:
-        raise ValueError(_errors.unknown_mesh_axes(transform, "tree", missing_axes, mesh_axes))
+        raise ValueError(
+            _errors.unknown_mesh_axes(
+                transform, "tree", missing_axes, mesh_axes, list(lacking_axes)
+            )
+        )
     return out
 
 

@@ -87,7 +87,7 @@ class StateSharding:
             pairs = _pairs(spec)
         for f, value in pairs:
             if not is_sharding_like(value):
-                raise TypeError(_errors.spec_value_not_a_sharding(f, type(value).__name__))
+                raise TypeError(_errors.spec_value_not_a_sharding(f, value))
         self.filters = tuple(_normalise_filter(f) for f, _ in pairs)
         self.shardings = tuple(v for _, v in pairs)
         self._predicates = tuple(_predicate(f) for f in self.filters)

@@ -278,3 +278,107 @@ def test_shard_reports_specs_that_do_not_fit():
     np.testing.assert_array_equal(values(model)[("down", "kernel")], before[("down", "kernel")])
     # all or nothing: the Variables that did fit were not moved either
     assert isinstance(model.down.kernel.get_value().sharding, jax.sharding.SingleDeviceSharding)
+
+
+# --- shard with given shardings: jax.device_put for a module -----------------------------------
+
+TP = StateSharding(
+    {
+        nnx.PathContains("kernel"): P(None, "model"),
+        nnx.PathContains("bias"): P("model"),
+        ...: P(),
+    }
+)
+
+
+def test_shard_by_a_state_sharding_places_as_jit_does():
+    """The placement `jit`'s in_shardings gives the module, without a call, in place."""
+    model, reference = Block(), Block()
+    before = values(model)
+    kernel_variable = model.up.kernel
+    with jax.set_mesh(MESH):
+        assert nnx_sharding.shard(model, TP) is model
+        nnx_sharding.jit(lambda m: None, in_shardings=(TP,))(reference)
+    assert model.up.kernel is kernel_variable
+    assert placed(model) == placed(reference)
+    assert placed(model)[("up", "kernel")] == (MESH, P(None, "model"))
+    assert placed(model)[("down", "bias")] == (MESH, P("model"))
+    for path, value in values(model).items():
+        np.testing.assert_array_equal(value, before[path])
+
+
+def test_shard_moves_committed_arrays_for_jit():
+    """The committed-array error's fix: `shard` first, then the call works."""
+    model = Block()
+    nnx_sharding.shard(model, named())  # committed, replicated
+    forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(TP, None))
+    x = jnp.ones((2, 4))
+    with jax.set_mesh(MESH):
+        with pytest.raises(ValueError, match="is committed to"):
+            forward(model, x)
+        nnx_sharding.shard(model, TP)
+        y = forward(model, x)
+    np.testing.assert_allclose(y, Block()(x), rtol=1e-6)
+
+
+def test_shard_by_one_sharding_or_spec_and_none_entries():
+    model = Block()
+    nnx_sharding.shard(model, named())
+    assert set(placed(model).values()) == {(MESH, P())}
+    with jax.set_mesh(MESH):
+        nnx_sharding.shard(model.up, P("model"))
+    assert placed(model.up) == {("kernel",): (MESH, P("model")), ("bias",): (MESH, P("model"))}
+    # None leaves a Variable as it is
+    kernel = model.up.kernel.get_value()
+    nnx_sharding.shard(model, StateSharding({nnx.PathContains("up"): None, ...: named()}))
+    assert model.up.kernel.get_value() is kernel
+    assert placed(model)[("down", "kernel")] == (MESH, P())
+
+
+def test_shard_a_state_and_an_abstract_model_by_a_state_sharding():
+    model = Block()
+    state = nnx.state(model)
+    abstract = nnx.eval_shape(Block)
+    with jax.set_mesh(MESH):
+        assert nnx_sharding.shard(state, TP) is state
+        nnx_sharding.shard(abstract, TP)
+    assert state["up"]["kernel"].get_value().sharding == named(None, "model")
+    struct = abstract.up.kernel.get_value()
+    assert isinstance(struct, jax.ShapeDtypeStruct) and struct.sharding == named(None, "model")
+
+
+def test_shard_shared_variables_get_one_sharding():
+    model = Block()
+    model.tied = model.up  # a shared reference: two paths to the same Variables
+    with jax.set_mesh(MESH):
+        nnx_sharding.shard(model, TP)
+        assert model.up.kernel.get_value().sharding == named(None, "model")
+        assert model.tied.kernel is model.up.kernel
+        both = StateSharding({nnx.PathContains("tied"): P(), ...: P("model")})
+        with pytest.raises(ValueError, match=r"(?s)shard: shardings: .*through the alias"):
+            nnx_sharding.shard(model, both)
+
+
+def test_shard_given_shardings_errors_list_everything_and_change_nothing():
+    model = Block()
+    before = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
+    with pytest.raises(ValueError) as e:
+        nnx_sharding.shard(model, StateSharding({nnx.BatchStat: P()}))
+    assert str(e.value).startswith("shard: shardings: 4 problems:")
+    assert "the Variable at .up.kernel (type Param) matches none of the filters" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        nnx_sharding.shard(model, TP)  # PartitionSpecs, no mesh in context
+    assert str(e.value).startswith("shard: shardings: 5 problems:")
+    assert "P(None, 'model') for the Variable at .up.kernel needs a mesh" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        nnx_sharding.shard(model, named(None, None, "model"))
+    message = str(e.value)
+    assert message.startswith("shard: tree: 5 problems:")
+    assert "the Variable at .up.kernel cannot be placed: shape (4, 8)" in message
+    assert "change the filter or spec for these Variables in shardings" in message
+    with pytest.raises(TypeError, match=r"shard: rules: rules were given with shardings"):
+        nnx_sharding.shard(model, TP, rules=RULES)
+    with pytest.raises(TypeError, match=r"shard: shardings: found a dict"):
+        nnx_sharding.shard(model, {nnx.Param: P()})
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        assert var.get_value() is before[path]

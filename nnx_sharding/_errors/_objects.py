@@ -48,9 +48,9 @@ def bound_method(transform: str, type_name: str) -> str:
         "Rule: the module a method is bound to would be baked into the program as a "
         "constant (its later updates ignored), and in_specs has no entry for it.",
         [
-            f"decorate the method (@nnx_sharding.{transform}(...)) and give in_specs an "
+            f"decorate the method with `@nnx_sharding.{transform}(...)` and give in_specs an "
             "entry for self first;",
-            f"or call nnx_sharding.{transform}(MyClass.method, ...)(instance, ...).",
+            f"or call `nnx_sharding.{transform}(MyClass.method, ...)(instance, ...)`.",
         ],
         flax=f"nnx.{transform} does not support bound methods",
     )

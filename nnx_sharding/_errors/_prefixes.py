@@ -20,11 +20,14 @@ def node_in_prefix(transform: str, argument: str, path: str, node: object) -> st
         "node's position put a StateSharding, one Sharding or PartitionSpec for all its "
         "Variables, or None.",
         [
-            "replace the module with `StateSharding({nnx.Param: P(...), ...})`, or with "
-            "`nnx.prefix(model, {nnx.Param: P(...), ...})` (made in graph mode, the default: "
-            "`nnx.prefix(..., graph=False)` gives a module);",
-            "to reuse the shardings a module already carries, use "
-            "`StateSharding(nnx.get_named_sharding(nnx.state(model), mesh))`.",
+            "replace the module with a StateSharding of its Variables' shardings, e.g. "
+            "`StateSharding({nnx.PathContains('kernel'): P(None, 'model'), ...: P()})`;",
+            "or with flax's form of it, "
+            "`nnx.prefix(model, {nnx.PathContains('kernel'): P(None, 'model'), ...: P()})` "
+            "(made in graph mode, the default);",
+            "to use the shardings its Variables' metadata names, "
+            "`StateSharding.from_metadata(model, rules)` (rules map logical axis names to mesh "
+            "axes; leave them out where the names are mesh axes).",
         ],
         flax="Variables prefixes are not supported"
         if isinstance(node, nnx.Variable)
@@ -111,7 +114,7 @@ def bad_prefix_entry(transform: str, argument: str, where: str, type_name: str) 
         argument,
         [f"found {_a(type_name)} at {where}"],
         "Rule: each entry is a Sharding, a PartitionSpec, a StateSharding or None.",
-        ["wrap mesh axis names in PartitionSpec, e.g. P('data')."],
+        ["wrap mesh axis names in PartitionSpec, e.g. `P('data')`."],
         flax=f"{argument} argument must be a pytree of `jax.sharding.PartitionSpec` instances"
         if transform == "shard_map"
         else f"{argument} leaf specifications are expected to be PartitionSpec instances or None",

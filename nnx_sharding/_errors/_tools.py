@@ -17,7 +17,7 @@ def not_a_node(transform: str, argument: str, type_name: str) -> str:
         "Rule: the tree is a graph node (Module, Optimizer, nnx.List/nnx.Dict, ...) or an "
         "nnx.State of Variables.",
         [
-            "pass the module itself, e.g. `shard(model)`;",
+            f"pass the module itself, e.g. `{transform}(model)`;",
             "or its state, e.g. `nnx.state(model)`.",
         ],
     )
@@ -56,8 +56,19 @@ def unknown_logical_axes(transform: str, problems: Sequence[str], known: Sequenc
 
 
 def unknown_mesh_axes(
-    transform: str, argument: str, problems: Sequence[str], mesh_axes: Sequence[str]
+    transform: str,
+    argument: str,
+    problems: Sequence[str],
+    mesh_axes: Sequence[str],
+    lacking: Sequence[str] = (),
 ) -> str:
+    """``lacking``: the axes named that the mesh lacks (the example mesh has the first)."""
+    kept = [a for a in mesh_axes if a not in lacking][:1]
+    names = (*kept, *lacking[:1]) or ("data", "model")
+    shape = "(2, 4)" if len(names) == 2 else "(8,)"
+    example = (
+        f"jax.make_mesh({shape}, ({', '.join(repr(n) for n in names)}{',' * (len(names) == 1)}))"
+    )
     return format_message(
         transform,
         argument,
@@ -67,22 +78,84 @@ def unknown_mesh_axes(
         + ".",
         [
             "map the logical name to an existing mesh axis (or None) in rules;",
-            "or use a mesh that has that axis, e.g. `jax.make_mesh((2, 4), ('data', 'model'))`.",
+            f"or use a mesh that has that axis, e.g. `{example}`.",
         ],
     )
 
 
-def cannot_place(transform: str, path: str, detail: str, jax_message: str) -> str:
+def cannot_place(
+    transform: str,
+    misfits: Sequence[tuple[str, str]],
+    jax_message: str,
+    source: str = "metadata",
+) -> str:
+    """``misfits``: (path, detail) of each Variable; ``source``: where the shardings came
+    from, ``metadata`` or ``shardings``."""
+    change = (
+        "change the Variable's sharding metadata or the rules (None replicates a dimension);"
+        if source == "metadata"
+        else "change the filter or spec for these Variables in shardings (None leaves a "
+        "Variable as it is, P() replicates it);"
+    )
     return format_message(
         transform,
         "tree",
-        [f"the Variable at {path} cannot be placed: {detail}"],
+        [f"the Variable at {path} cannot be placed: {detail}" for path, detail in misfits],
         "Rule: a sharding must fit its array: one spec entry per dimension at most and each "
         f"sharded dimension divisible by its mesh axes' size. (jax said: "
         f"{jax_message.splitlines()[0] if jax_message else 'nothing'})",
         [
-            "change the Variable's sharding metadata or the rules (None replicates a dimension);",
+            change,
             "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
+        ],
+    )
+
+
+def spec_without_mesh(transform: str, found: Sequence[tuple[str, object]]) -> str:
+    """``found``: (path, PartitionSpec) of each Variable."""
+    return format_message(
+        transform,
+        "shardings",
+        [
+            f"the PartitionSpec {spec!r} for the Variable at {path} needs a mesh, and none is set"
+            for path, spec in found
+        ],
+        "Rule: a PartitionSpec is bound to the mesh set with `jax.set_mesh`, as in jit's "
+        "in_shardings.",
+        [
+            "call it inside `with jax.set_mesh(mesh):`;",
+            "or give NamedShardings, e.g. `NamedSharding(mesh, P('model'))`.",
+        ],
+    )
+
+
+def rules_without_metadata(transform: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        "rules",
+        [f"rules were given with shardings that are {_a(type_name)}"],
+        "Rule: rules map the logical axis names of Variable metadata to mesh axes; they "
+        "apply only when the shardings come from metadata (shardings is a Mesh or None).",
+        [
+            "drop rules: the shardings you give are used as they are;",
+            "or place by metadata: `nnx_sharding.shard(model, mesh, rules=rules)`.",
+        ],
+    )
+
+
+def bad_placement(transform: str, type_name: str) -> str:
+    return format_message(
+        transform,
+        "shardings",
+        [f"found {_a(type_name)}"],
+        "Rule: shardings is a StateSharding, a jax.sharding.Sharding, a PartitionSpec, a "
+        "Mesh (place by metadata) or None (metadata, on the mesh set with `jax.set_mesh`).",
+        [
+            "wrap filters and shardings in a StateSharding, e.g. `nnx_sharding.shard(model, "
+            "nnx_sharding.StateSharding({nnx.PathContains('kernel'): P(None, 'model'), "
+            "...: P()}))` inside `with jax.set_mesh(mesh):`;",
+            "or give a mesh to place by the Variables' metadata, e.g. "
+            "`nnx_sharding.shard(model, mesh)`.",
         ],
     )
 

@@ -84,13 +84,19 @@ def bad_filter(filter_: object, error: BaseException) -> str:
     )
 
 
-def spec_value_not_a_sharding(filter_: object, type_name: str) -> str:
+def spec_value_not_a_sharding(filter_: object, value: object) -> str:
+    """``value``: what was given; axis names (a str or a tuple of them) are shown wrapped."""
+    names = value if isinstance(value, (tuple, list)) else (value,)
+    if names and all(n is None or isinstance(n, str) for n in names):
+        wrapped = "P(" + ", ".join(repr(n) for n in names) + ")"
+    else:
+        wrapped = "P('model', None)"
     return format_message(
         "StateSharding",
         "spec",
-        [f"the value for filter {filter_!r} is a {type_name}"],
+        [f"the value for filter {filter_!r} is {_a(type(value).__name__)}"],
         "Rule: each value is a jax.sharding.Sharding, a PartitionSpec or None.",
-        ["wrap mesh axis names in PartitionSpec, e.g. P('model', None)."],
+        [f"wrap mesh axis names in PartitionSpec, e.g. `{wrapped}`."],
     )
 
 
@@ -151,7 +157,8 @@ def sharding_mismatch(
         f"{argument}.",
         [
             "move it first, e.g. `jax.device_put(x, sharding)`, or for a module "
-            "`nnx.update(model, jax.device_put(nnx.state(model), shardings))`;",
+            "`nnx_sharding.shard(model, shardings)` (inside `with jax.set_mesh(mesh):` "
+            "for PartitionSpecs);",
             f"or ask for the sharding it has in {argument} (None takes the argument's own).",
         ],
         flax="Sharding passed to jit does not match the sharding on the respective arg",
@@ -358,8 +365,9 @@ def cannot_infer_specs(transform: str, axes: Sequence[str]) -> str:
         "Rule: in_specs can be left out only when every manual mesh axis is of type "
         "AxisType.Explicit, so that each argument's sharding is part of its type.",
         [
-            "give in_specs, e.g. `in_specs=(StateSharding({nnx.Param: P(None, 'model'), "
-            "...: P()}), P('data'))`;",
+            "give in_specs, e.g. `in_specs=(P(), P('data'))` for a replicated module and a "
+            "batch split over 'data' (a StateSharding at a module's position shards its "
+            "Variables);",
             "or make the mesh with `axis_types=(AxisType.Explicit,) * n` and shard the "
             "arguments on it.",
         ],

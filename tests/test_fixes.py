@@ -1,0 +1,902 @@
+"""Every suggested fix that is code works when tried, in the situation of its error.
+
+Each case sets up a situation (`setup`), runs the user's code that fails (`broken`)
+and reads the numbered fix from the error it raised. The code of the fix is taken
+from the message as printed (every ```...``` snippet of that fix line, checked to be
+there), the user's names put in (`names`: ``(printed, user's)`` replacements, applied
+once each, in order), and must then appear literally in `fixed`, the user's code with
+the fix applied, which must run; `check` then asserts what the fix was for. A case with
+``fresh=True`` runs in a new interpreter without device flags, for fixes about how jax
+starts.
+
+`test_every_message_is_classified` keeps the table complete: each message builder of
+the transforms and tools (checkpoint messages are tested with checkpoints) is either
+in the table or listed in `PROSE` (fixes without code, or code that only names an
+option).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from nnx_sharding._errors import _objects, _prefixes, _tools, _transforms
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PRELUDE = """\
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nnx_sharding
+from nnx_sharding import StateSharding
+
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+x = jnp.ones((8, 16))
+expected = model(x)
+tp = StateSharding(
+    {
+        nnx.PathContains("kernel"): P(None, "model"),
+        nnx.PathContains("bias"): P("model"),
+        ...: P(),
+    }
+)
+
+
+def close(actual, desired):
+    np.testing.assert_allclose(actual, desired, rtol=1e-5, atol=1e-6)
+"""
+
+# A model whose Variables carry logical axis names (nnx.with_partitioning).
+ANNOTATED = """
+init = nnx.initializers.lecun_normal()
+with nnx.use_eager_sharding(False):
+    annotated = nnx.Linear(
+        16, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=nnx.Rngs(0)
+    )
+"""
+
+FRESH_PRELUDE = """\
+import jax.numpy as jnp
+from flax import nnx
+
+import nnx_sharding
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    builder: str  # the _errors function whose message this is
+    fix: int  # the fix's number in the message
+    setup: str
+    broken: str
+    fixed: str
+    error: type[BaseException] = Exception
+    names: tuple[tuple[str, str], ...] = ()
+    check: str = ""
+    fresh: bool = False  # run in a new interpreter without device flags
+    id: str = ""
+    # which of the fix line's `snippets` the case runs, where it offers alternatives
+    snippets: tuple[int, ...] | None = None
+
+
+def _ids(case: Case) -> str:
+    return f"{case.builder}-{case.fix}" + (f"-{case.id}" if case.id else "")
+
+
+CASES = [
+    # --- StateSharding ----------------------------------------------------------------------
+    Case(
+        "no_filter_matched",
+        1,
+        "shardings = StateSharding([(nnx.BatchStat, P())])",
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model, shardings)",
+        "shardings = StateSharding([(nnx.BatchStat, P()), (nnx.Param, P())])\n"
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model, shardings)",
+        ValueError,
+        check="assert model.kernel.get_value().sharding.spec == P()",
+    ),
+    Case(
+        "no_filter_matched",
+        2,
+        "shardings = StateSharding([(nnx.BatchStat, P())])",
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(shardings, None))\n"
+        "with jax.set_mesh(mesh):\n    forward(model, x)",
+        "shardings = StateSharding([(nnx.BatchStat, P()), (..., None)])\n"
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(shardings, None))\n"
+        "with jax.set_mesh(mesh):\n    y = forward(model, x)",
+        ValueError,
+        check="close(y, expected)",
+    ),
+    Case(
+        "spec_not_pairs",
+        1,
+        "",
+        "shardings = StateSharding(P('model'))",
+        "shardings = StateSharding({nnx.Param: P('model'), ...: None})\n"
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model, shardings)",
+        TypeError,
+        check="assert model.kernel.get_value().sharding.spec == P('model')",
+    ),
+    Case(
+        "spec_entry_not_a_pair",
+        2,
+        "",
+        "shardings = StateSharding([nnx.Param, P()])",
+        "shardings = StateSharding([(nnx.Param, P()), (..., None)])\n"
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model, shardings)",
+        TypeError,
+        check="assert model.kernel.get_value().sharding.spec == P()",
+    ),
+    Case(
+        "bad_filter",
+        1,
+        "",
+        "shardings = StateSharding({1.5: P(None, 'model'), ...: P()})",
+        "shardings = StateSharding(\n"
+        "    {nnx.PathContains('kernel'): P(None, 'model'), nnx.Param: P(), ...: None}\n)\n"
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model, shardings)",
+        TypeError,
+        check="assert model.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "bad_filter",
+        2,
+        "",
+        "shardings = StateSharding({1.5: P(None, 'model'), ...: P()})",
+        "shardings = StateSharding(\n"
+        "    {lambda path, value: path[-1] == 'kernel': P(None, 'model'), ...: P()}\n)\n"
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model, shardings)",
+        TypeError,
+        check="assert model.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "spec_value_not_a_sharding",
+        1,
+        "",
+        "shardings = StateSharding({nnx.Param: 'model'})",
+        "shardings = StateSharding({nnx.Param: P('model')})\n"
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model, shardings)",
+        TypeError,
+        check="assert model.bias.get_value().sharding.spec == P('model')",
+    ),
+    # --- jit --------------------------------------------------------------------------------
+    Case(
+        "sharding_mismatch",
+        1,
+        "nnx_sharding.shard(model, NamedSharding(mesh, P()))  # committed, replicated\n"
+        "shardings = tp\n"
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(shardings, None))",
+        "with jax.set_mesh(mesh):\n    forward(model, x)",
+        "with jax.set_mesh(mesh):\n"
+        "    nnx_sharding.shard(model, shardings)\n"
+        "    y = forward(model, x)",
+        ValueError,
+        id="module",
+        snippets=(1, 2),
+        check="close(y, expected)\n"
+        "assert model.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "sharding_mismatch",
+        1,
+        "x = jax.device_put(x, NamedSharding(mesh, P()))  # committed, replicated\n"
+        "sharding = NamedSharding(mesh, P('data'))\n"
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(None, sharding))",
+        "forward(model, x)",
+        "x = jax.device_put(x, sharding)\ny = forward(model, x)",
+        ValueError,
+        id="array",
+        snippets=(0,),
+        check="close(y, expected)",
+    ),
+    Case(
+        "deleted_buffers",
+        2,
+        "step = nnx_sharding.jit(lambda m: nnx.update(m, nnx.state(m)), donate_argnums=0)\n"
+        "forward = nnx_sharding.jit(lambda m, x: m(x))\n",
+        "kept = nnx.clone(model)\nstep(model)\nforward(kept, x)",
+        "graphdef, state = nnx.split(model); "
+        "copy = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))\n"
+        "step(model)\ny = forward(copy, x)",
+        RuntimeError,
+        check="close(y, expected)",
+    ),
+    Case(
+        "not_callable",
+        1,
+        "def forward(model, n):\n    return model(x) * n\n",
+        "nnx_sharding.jit(static_argnums=1)(3)",
+        "forward_jit = nnx_sharding.jit(forward, static_argnums=1)\ny = forward_jit(model, 2)",
+        TypeError,
+        names=(("jit(", "nnx_sharding.jit("),),
+        check="close(y, 2 * expected)",
+    ),
+    Case(
+        "not_callable",
+        2,
+        "def forward(model, n):\n    return model(x) * n\n",
+        "nnx_sharding.jit(3, static_argnums=1)",
+        "forward_jit = nnx_sharding.jit(static_argnums=1)(forward)\ny = forward_jit(model, 2)",
+        TypeError,
+        names=(("jit(", "nnx_sharding.jit("),),
+        snippets=(0,),
+        check="close(y, 2 * expected)",
+    ),
+    Case(
+        "not_callable",
+        1,
+        "def forward(model, x):\n    return model(x)\n",
+        "nnx_sharding.shard_map(out_specs=P('data'))(3)",
+        "f = nnx_sharding.shard_map("
+        "forward, mesh=mesh, in_specs=(P(), P('data')), out_specs=P('data'))\n"
+        "y = f(model, x)",
+        TypeError,
+        names=(
+            ("shard_map(", "nnx_sharding.shard_map("),
+            ("out_specs=P()", "mesh=mesh, in_specs=(P(), P('data')), out_specs=P('data')"),
+        ),
+        id="shard_map",
+        check="close(y, expected)",
+    ),
+    Case(
+        "not_callable",
+        1,
+        "def forward(model, x):\n    return model(x)\n",
+        "nnx_sharding.export(x, forward)",
+        "exported = nnx_sharding.export(forward, model, x)",
+        TypeError,
+        names=(("export(", "nnx_sharding.export("), ("*args", "model, x")),
+        id="export",
+        check="y, _ = exported.call(model, x)\nclose(y, expected)",
+    ),
+    Case(
+        "bad_prefix_entry",
+        1,
+        "",
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(None, 'data'))\n"
+        "with jax.set_mesh(mesh):\n    forward(model, x)",
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(None, P('data')))\n"
+        "with jax.set_mesh(mesh):\n    y = forward(model, x)",
+        TypeError,
+        check="assert y.sharding.spec[0] == 'data'",
+    ),
+    Case(
+        "node_in_prefix",
+        1,
+        "",
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(model, None))",
+        "forward = nnx_sharding.jit(\n"
+        "    lambda m, x: m(x),\n"
+        "    in_shardings=(\n"
+        "        StateSharding({nnx.PathContains('kernel'): P(None, 'model'), ...: P()}),\n"
+        "        None,\n"
+        "    ),\n"
+        ")\n"
+        "with jax.set_mesh(mesh):\n    y = forward(model, x)",
+        ValueError,
+        check="close(y, expected)\n"
+        "assert model.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "node_in_prefix",
+        2,
+        "",
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(model, None))",
+        "forward = nnx_sharding.jit(\n"
+        "    lambda m, x: m(x),\n"
+        "    in_shardings=(\n"
+        "        nnx.prefix(model, {nnx.PathContains('kernel'): P(None, 'model'), ...: P()}),\n"
+        "        None,\n"
+        "    ),\n"
+        ")\n"
+        "with jax.set_mesh(mesh):\n    y = forward(model, x)",
+        ValueError,
+        check="close(y, expected)\n"
+        "assert model.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "node_in_prefix",
+        3,
+        ANNOTATED + "rules = [('embed', None), ('mlp', 'model')]\nexpected = annotated(x)",
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(annotated, None))",
+        "forward = nnx_sharding.jit(\n"
+        "    lambda m, x: m(x),\n"
+        "    in_shardings=(StateSharding.from_metadata(annotated, rules), None),\n"
+        ")\n"
+        "with jax.set_mesh(mesh):\n    y = forward(annotated, x)",
+        ValueError,
+        names=(("model", "annotated"),),
+        check="close(y, expected)\n"
+        "assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "not_a_prefix",
+        1,
+        "shardings = tp",
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(shardings, None, None))\n"
+        "forward(model, x)",
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(shardings, P('data')))\n"
+        "with jax.set_mesh(mesh):\n    y = forward(model, x)",
+        ValueError,
+        names=(("StateSharding(...)", "shardings"),),
+        id="arguments",
+        check="close(y, expected)",
+    ),
+    Case(
+        "not_a_prefix",
+        1,
+        "shardings = tp",
+        "forward = nnx_sharding.jit(lambda m, x: (m, m(x)), out_shardings=(shardings,))\n"
+        "with jax.set_mesh(mesh):\n    forward(model, x)",
+        "forward = nnx_sharding.jit(\n"
+        "    lambda m, x: (m, m(x)), out_shardings=(shardings, P('data'))\n)\n"
+        "with jax.set_mesh(mesh):\n    m, y = forward(model, x)",
+        ValueError,
+        names=(("StateSharding(...)", "shardings"),),
+        id="output",
+        check="close(y, expected)\nassert m is model",
+    ),
+    # --- shard_map --------------------------------------------------------------------------
+    Case(
+        "no_mesh",
+        1,
+        "def forward(model, x):\n    return model(x)\n",
+        "f = nnx_sharding.shard_map(forward, in_specs=(P(), P('data')), out_specs=P('data'))\n"
+        "f(model, x)",
+        "f = nnx_sharding.shard_map(\n"
+        "    forward,\n"
+        "    mesh=jax.make_mesh((2, 4), ('data', 'model')),\n"
+        "    in_specs=(P(), P('data')),\n"
+        "    out_specs=P('data'),\n"
+        ")\n"
+        "y = f(model, x)",
+        ValueError,
+        names=(("jax.make_mesh(...)", "jax.make_mesh((2, 4), ('data', 'model'))"),),
+        id="shard_map",
+        check="close(y, expected)",
+    ),
+    Case(
+        "no_mesh",
+        2,
+        "def forward(model, x):\n    return model(x)\n",
+        "f = nnx_sharding.shard_map(forward, in_specs=(P(), P('data')), out_specs=P('data'))\n"
+        "f(model, x)",
+        "with jax.set_mesh(mesh):\n    y = f(model, x)",
+        ValueError,
+        id="shard_map",
+        check="close(y, expected)",
+    ),
+    Case(
+        "cannot_infer_specs",
+        1,
+        "def forward(model, x):\n    return model(x)\n",
+        "f = nnx_sharding.shard_map(forward, mesh=mesh, out_specs=P('data'))\nf(model, x)",
+        "f = nnx_sharding.shard_map(\n"
+        "    forward,\n"
+        "    mesh=mesh,\n"
+        "    in_specs=(P(), P('data')),\n"
+        "    out_specs=P('data'),\n"
+        ")\n"
+        "y = f(model, x)",
+        TypeError,
+        check="close(y, expected)",
+    ),
+    Case(
+        "cannot_infer_specs",
+        2,
+        "def forward(model, x):\n    return model(x)\n",
+        "f = nnx_sharding.shard_map(forward, mesh=mesh, out_specs=P('data'))\nf(model, x)",
+        "mesh = jax.make_mesh((2, 4), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)\n"
+        "with jax.set_mesh(mesh):\n"
+        "    nnx_sharding.shard(model, P())\n"
+        "    x = jax.device_put(x, P('data'))\n"
+        "    f = nnx_sharding.shard_map(forward, mesh=mesh, out_specs=P('data'))\n"
+        "    y = f(model, x)",
+        TypeError,
+        names=((" * n", " * 2"),),
+        check="close(y, expected)",
+    ),
+    Case(
+        "spec_axes_not_manual",
+        1,
+        "def forward(model, x):\n    return model(x)\n",
+        "f = nnx_sharding.shard_map(forward, mesh=mesh, in_specs=(P(), P('data')), "
+        "out_specs=P('batch'))\nf(model, x)",
+        "f = nnx_sharding.shard_map(\n"
+        "    forward, mesh=mesh, in_specs=(P(), P('data')), out_specs=P('data')\n)\n"
+        "y = f(model, x)",
+        ValueError,
+        snippets=(0,),
+        check="close(y, expected)",
+    ),
+    Case(
+        "state_sharding_above",
+        1,
+        "shardings = tp\ndef pair(model):\n    return model, model\n",
+        "f = nnx_sharding.shard_map(pair, mesh=mesh, in_specs=(shardings,), out_specs=shardings)\n"
+        "f(model)",
+        "f = nnx_sharding.shard_map(\n"
+        "    pair, mesh=mesh, in_specs=(shardings,), out_specs=(shardings, shardings)\n)\n"
+        "a, b = f(model)",
+        ValueError,
+        names=(("(s, s)", "(shardings, shardings)"),),
+        check="assert a is model and b is model",
+    ),
+    Case(
+        "bound_method",
+        1,
+        "",
+        "f = nnx_sharding.shard_map(\n"
+        "    model.__call__, mesh=mesh, in_specs=(P('data'),), out_specs=P('data')\n)",
+        "class Model(nnx.Module):\n"
+        "    def __init__(self):\n"
+        "        self.linear = model\n"
+        "\n"
+        "    @nnx_sharding.shard_map(mesh=mesh, in_specs=(P(), P('data')), out_specs=P('data'))\n"
+        "    def __call__(self, x):\n"
+        "        return self.linear(x)\n"
+        "\n"
+        "y = Model()(x)",
+        ValueError,
+        names=(("...", "mesh=mesh, in_specs=(P(), P('data')), out_specs=P('data')"),),
+        check="close(y, expected)",
+    ),
+    Case(
+        "bound_method",
+        2,
+        "",
+        "f = nnx_sharding.shard_map(\n"
+        "    model.__call__, mesh=mesh, in_specs=(P('data'),), out_specs=P('data')\n)",
+        "f = nnx_sharding.shard_map(nnx.Linear.__call__, mesh=mesh, in_specs=(P(), P('data')), "
+        "out_specs=P('data'))(model, x)",
+        ValueError,
+        names=(
+            ("MyClass.method", "nnx.Linear.__call__"),
+            ("...", "mesh=mesh, in_specs=(P(), P('data')), out_specs=P('data')"),
+            ("instance, ...", "model, x"),
+        ),
+        check="close(f, expected)",
+    ),
+    # --- shard, metadata, tables ------------------------------------------------------------
+    Case(
+        "no_mesh",
+        1,
+        ANNOTATED,
+        "nnx_sharding.shard(annotated, rules=[('embed', None), ('mlp', 'model')])",
+        "nnx_sharding.shard(annotated, mesh, rules=[('embed', None), ('mlp', 'model')])",
+        ValueError,
+        names=(("shard(model, mesh)", "shard(annotated, mesh"),),
+        id="shard",
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "no_mesh",
+        2,
+        ANNOTATED,
+        "nnx_sharding.shard(annotated, rules=[('embed', None), ('mlp', 'model')])",
+        "with jax.set_mesh(mesh):\n"
+        "    nnx_sharding.shard(annotated, rules=[('embed', None), ('mlp', 'model')])",
+        ValueError,
+        id="shard",
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "spec_without_mesh",
+        1,
+        "shardings = tp",
+        "nnx_sharding.shard(model, shardings)",
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model, shardings)",
+        ValueError,
+        check="assert model.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "spec_without_mesh",
+        2,
+        "",
+        "nnx_sharding.shard(model, StateSharding({nnx.Param: P('model')}))",
+        "nnx_sharding.shard(model, StateSharding({nnx.Param: NamedSharding(mesh, P('model'))}))",
+        ValueError,
+        check="assert model.bias.get_value().sharding.spec == P('model')",
+    ),
+    Case(
+        "rules_without_metadata",
+        2,
+        ANNOTATED + "rules = [('embed', None), ('mlp', 'model')]",
+        "nnx_sharding.shard(annotated, tp, rules=rules)",
+        "nnx_sharding.shard(annotated, mesh, rules=rules)",
+        TypeError,
+        names=(("model", "annotated"),),
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "bad_placement",
+        1,
+        "",
+        "nnx_sharding.shard(model, {nnx.PathContains('kernel'): P(None, 'model'), ...: P()})",
+        "with jax.set_mesh(mesh):\n"
+        "    nnx_sharding.shard(model, nnx_sharding.StateSharding("
+        "{nnx.PathContains('kernel'): P(None, 'model'), ...: P()}))",
+        TypeError,
+        check="assert model.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "bad_placement",
+        2,
+        "with nnx.use_eager_sharding(False):\n"
+        "    annotated = nnx.Linear(\n"
+        "        16,\n"
+        "        64,\n"
+        "        kernel_init=nnx.with_partitioning(nnx.initializers.ones, (None, 'model')),\n"
+        "        rngs=nnx.Rngs(0),\n"
+        "    )\n",
+        "nnx_sharding.shard(annotated, {'data': 2, 'model': 4})",
+        "nnx_sharding.shard(annotated, mesh)",
+        TypeError,
+        names=(("model", "annotated"),),
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "not_a_node",
+        1,
+        "",
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model.kernel)",
+        "with jax.set_mesh(mesh):\n    nnx_sharding.shard(model)",
+        TypeError,
+        names=(("shard(", "nnx_sharding.shard("),),
+        id="shard",
+        check="assert model.kernel.get_value().sharding.spec == P()",
+    ),
+    Case(
+        "not_a_node",
+        2,
+        "",
+        "StateSharding.from_metadata([model])",
+        "shardings = StateSharding.from_metadata(nnx.state(model))",
+        TypeError,
+        id="from_metadata",
+        check="assert len(shardings.filters) == 2",
+    ),
+    Case(
+        "bad_rules",
+        1,
+        ANNOTATED,
+        "nnx_sharding.shard(annotated, mesh, rules={'embed': None, 'mlp': 'model'})",
+        "nnx_sharding.shard(annotated, mesh, rules=[('embed', None), ('mlp', 'model')])",
+        TypeError,
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "bad_rules",
+        2,
+        ANNOTATED,
+        "nnx_sharding.shard(annotated, mesh, rules=[('embed', None), ('mlp', 'data', 'model')])",
+        "nnx_sharding.shard(annotated, mesh, rules=[('embed', None), ('mlp', ('data', 'model'))])",
+        TypeError,
+        names=(("'batch'", "'mlp'"), ("'fsdp'", "'model'")),
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, ('data', 'model'))",
+    ),
+    Case(
+        "unknown_logical_axes",
+        2,
+        "init = nnx.initializers.lecun_normal()\nrules = [('embed', None), ('mlp', 'model')]\n",
+        "with nnx.use_eager_sharding(False):\n"
+        "    annotated = nnx.Linear(\n"
+        "        16, 64, kernel_init=nnx.with_partitioning(init, ('embed', 'hidden')), "
+        "rngs=nnx.Rngs(0)\n    )\n"
+        "nnx_sharding.shard(annotated, mesh, rules=rules)",
+        "with nnx.use_eager_sharding(False):\n"
+        "    annotated = nnx.Linear(\n"
+        "        16, 64, kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')), "
+        "rngs=nnx.Rngs(0)\n    )\n"
+        "nnx_sharding.shard(annotated, mesh, rules=rules)",
+        ValueError,
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
+        "unknown_mesh_axes",
+        2,
+        ANNOTATED,
+        "nnx_sharding.shard(annotated, mesh, rules=[('embed', None), ('mlp', 'tensor')])",
+        "mesh = jax.make_mesh((2, 4), ('data', 'tensor'))\n"
+        "nnx_sharding.shard(annotated, mesh, rules=[('embed', None), ('mlp', 'tensor')])",
+        ValueError,
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, 'tensor')",
+    ),
+    Case(
+        "unknown_paths",
+        2,
+        "class Stack(nnx.Module):\n"
+        "    def __init__(self):\n"
+        "        self.layers = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(0))])\n"
+        "stack = Stack()\n"
+        "import io\nfrom rich.console import Console\n"
+        "console = Console(file=io.StringIO(), width=120)\n",
+        "nnx_sharding.visualize_sharding(stack, ['layers.0.kernel'], console=console)",
+        "nnx_sharding.visualize_sharding(stack, [('layers', 0, 'kernel')], console=console)",
+        ValueError,
+        check="assert 'layers[0].kernel' in console.file.getvalue()",
+    ),
+    Case(
+        "not_drawable",
+        2,
+        ANNOTATED + "import io\nfrom rich.console import Console\n"
+        "console = Console(file=io.StringIO(), width=120)\n"
+        "with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nnx.logical_axis_rules(\n"
+        "    [('embed', None), ('mlp', 'model')]\n"
+        "):\n"
+        "    abstract = nnx.eval_shape(lambda: nnx.Linear(16, 64, kernel_init="
+        "nnx.with_partitioning(init, ('embed', 'mlp')), rngs=nnx.Rngs(0)))\n",
+        "nnx_sharding.visualize_sharding(abstract, ['.kernel'], console=console)",
+        "with jax.set_mesh(mesh):\n"
+        "    nnx_sharding.visualize_sharding(abstract, ['.kernel'], console=console)",
+        ValueError,
+        check="assert '.kernel' in console.file.getvalue()",
+    ),
+    # --- AOT reports and export -------------------------------------------------------------
+    Case(
+        "aot_unknown_config",
+        1,
+        "from nnx_sharding._aot import aot_report",
+        "aot_report('1B', {'data': 2, 'model': 4})",
+        "report = aot_report('1b', {'data': 2, 'model': 4})",
+        ValueError,
+        check="assert report.config == '1b'",
+    ),
+    Case(
+        "aot_unknown_config",
+        2,
+        "from nnx_sharding._aot import DecoderConfig, aot_report",
+        "aot_report('small', {'data': 2, 'model': 4})",
+        "config = DecoderConfig('small', 64, 32, 4, 16, 64, 1, batch=2, seq_len=8)\n"
+        "report = aot_report(config, {'data': 2, 'model': 4})",
+        ValueError,
+        names=(
+            (
+                "DecoderConfig(...)",
+                "DecoderConfig('small', 64, 32, 4, 16, 64, 1, batch=2, seq_len=8)",
+            ),
+        ),
+        check="assert report.config == 'small'",
+    ),
+    Case(
+        "aot_mesh_too_big",
+        1,
+        "from nnx_sharding._aot import aot_report",
+        "aot_report('tiny', {'data': 4, 'model': 4})",
+        "report = aot_report('tiny', {'data': 2, 'model': 4})",
+        ValueError,
+        check="assert report.mesh == {'data': 2, 'model': 4}",
+    ),
+    Case(
+        "aot_mesh_too_big",
+        2,
+        "from nnx_sharding._aot import aot_report",
+        "aot_report('tiny', {'data': 2, 'model': 4})",
+        "import jax\n\njax.config.update('jax_num_cpu_devices', 8)\n"
+        "import nnx_sharding\n\n"
+        "report = aot_report('tiny', {'data': 2, 'model': 4})",
+        ValueError,
+        fresh=True,
+        check="assert report.mesh == {'data': 2, 'model': 4}",
+    ),
+    Case(
+        "aot_indivisible",
+        1,
+        "from nnx_sharding._aot import aot_report",
+        "aot_report('tiny', {'model': 8})",
+        "report = aot_report('tiny', {'data': 2, 'model': 4})",
+        ValueError,
+        check="assert report.mesh == {'data': 2, 'model': 4}",
+    ),
+    Case(
+        "export_spec_without_mesh",
+        1,
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(None, P('data')))",
+        "nnx_sharding.export(forward, model, x)",
+        "with jax.set_mesh(mesh):\n    exported = nnx_sharding.export(forward, model, x)",
+        ValueError,
+        check="y, _ = exported.call(model, x)\nclose(y, expected)",
+    ),
+    Case(
+        "export_spec_without_mesh",
+        2,
+        "forward = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(None, P('data')))",
+        "nnx_sharding.export(forward, model, x)",
+        "forward = nnx_sharding.jit(\n"
+        "    lambda m, x: m(x), in_shardings=(None, NamedSharding(mesh, P('data')))\n)\n"
+        "exported = nnx_sharding.export(forward, model, x)",
+        ValueError,
+        check="y, _ = exported.call(model, x)\nclose(y, expected)",
+    ),
+    Case(
+        "export_structure_mismatch",
+        1,
+        "exported = nnx_sharding.export(lambda m, x: m(x), model, x)",
+        "exported.call(model)",
+        "y, _ = exported.call(nnx.state(model), x)",
+        TypeError,
+        names=(("call(", "exported.call("),),
+        check="close(y, expected)",
+    ),
+    Case(
+        "export_structure_mismatch",
+        2,
+        "exported = nnx_sharding.export(lambda m, x: m(x), model, x)\n"
+        "arrays = jax.tree.leaves((nnx.state(model), x))",
+        "exported.call(arrays)",
+        "args, kwargs = jax.tree.unflatten(exported.in_tree, arrays)\n"
+        "y, _ = exported.call(*args, **kwargs)",
+        TypeError,
+        check="close(y, expected)",
+    ),
+    Case(
+        "export_not_arrays",
+        1,
+        "def scaled(model, x, n):\n    return model(x) * n\n",
+        "nnx_sharding.export(scaled, model, x, 'two')",
+        "exported = nnx_sharding.export(\n"
+        "    nnx_sharding.jit(scaled, static_argnums=2), model, x, 2\n)",
+        TypeError,
+        names=(("fun", "scaled"), ("...", "2")),
+        check="y, _ = exported.call(model, x)\nclose(y, 2 * expected)",
+    ),
+    Case(
+        "export_too_few_devices",
+        1,
+        "import jax\n\njax.config.update('jax_num_cpu_devices', 8)\n"
+        "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+        "mesh = jax.make_mesh((8,), ('data',))\n"
+        "model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))\n"
+        "x = jnp.ones((8, 16))\n"
+        "forward = nnx_sharding.jit(\n"
+        "    lambda m, x: m(x), in_shardings=(None, NamedSharding(mesh, P('data')))\n)\n"
+        "open('program.bin', 'wb').write(nnx_sharding.export(forward, model, x).serialize())\n",
+        "import jax\n\n"
+        "exported = nnx_sharding.deserialize(open('program.bin', 'rb').read())\n"
+        "exported.call(nnx.state(nnx.Linear(16, 64, rngs=nnx.Rngs(0))), jnp.ones((8, 16)))",
+        "import jax\n\njax.config.update('jax_num_cpu_devices', 8)\n"
+        "exported = nnx_sharding.deserialize(open('program.bin', 'rb').read())\n"
+        "y, _ = exported.call(nnx.state(nnx.Linear(16, 64, rngs=nnx.Rngs(0))), "
+        "jnp.ones((8, 16)))",
+        ValueError,
+        fresh=True,
+        check="assert y.shape == (8, 64)",
+    ),
+]
+
+# Message builders whose fixes have no code to run (or only name an option or a value
+# the message states), and helpers that build parts of other messages.
+PROSE = {
+    "static_graph_node",  # drop it from static_argnums
+    "wrong_trace_level",  # use nnx.jit for the outer transform
+    "state_sharding_at_leaf",
+    "aliased_shardings",
+    "bad_static",
+    "bad_shardings",
+    "argnums_out_of_range",
+    "unknown_argnames",
+    "static_and_donated",
+    "structure_mismatch",
+    "structure_changed",
+    "cannot_place",
+    "export_bad_key",
+    "export_bad_arguments",
+    # parts of other messages
+    "bad_state_sharding_spec",
+    "prefix_mismatch",
+    "rank_too_low",
+    "misfit",
+    "argument_structure",
+    "compiled_difference",
+    "graph_change",
+    "unknown_axis",
+    "name_spec_paths",
+    "name_leaves",
+    "export_wrong_kind",
+}
+
+SNIPPET = re.compile(r"`([^`]+)`")
+
+
+def fix_lines(message: str) -> dict[int, str]:
+    """The numbered fixes of a message: ``{1: "...", 2: "..."}``."""
+    _, _, fixes = message.partition("\nFixes:\n")
+    found = [re.match(r"  (\d+)\. (.*)", line) for line in fixes.splitlines()]
+    return {int(m.group(1)): m.group(2) for m in found if m}
+
+
+def fix_code(case: Case, message: str) -> list[str]:
+    """The code of the case's fix as printed, the user's names put in."""
+    fixes = fix_lines(message)
+    assert case.fix in fixes, message
+    snippets = SNIPPET.findall(fixes[case.fix]) or [fixes[case.fix].partition(" ")[2]]
+    if case.snippets is not None:
+        snippets = [snippets[i] for i in case.snippets]
+    code = []
+    for snippet in snippets:
+        for printed, user in case.names:
+            snippet = snippet.replace(printed, user, 1)
+        code.append(snippet)
+    return code
+
+
+def run_fresh(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JAX_PLATFORMS")
+    }
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_suggested_fix_works(case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "nnx.prefix" in case.fixed and not hasattr(nnx, "prefix"):
+        pytest.skip("nnx.prefix is new in flax 0.12.8")
+    monkeypatch.chdir(tmp_path)
+    if case.fresh:
+        if case.builder == "export_too_few_devices":  # the program is made with 8 devices
+            made = run_fresh(FRESH_PRELUDE + case.setup, tmp_path)
+            assert made.returncode == 0, made.stderr
+            setup = ""
+        else:
+            setup = case.setup
+        broken = run_fresh(FRESH_PRELUDE + setup + "\n" + case.broken, tmp_path)
+        assert broken.returncode != 0
+        message = broken.stderr.partition(f"{case.error.__name__}: ")[2]
+        assert message, broken.stderr
+    else:
+        namespace: dict[str, object] = {"__name__": "__main__"}
+        exec(PRELUDE + case.setup, namespace)
+        with pytest.raises(case.error) as raised:
+            exec(textwrap.dedent(case.broken), namespace)
+        message = str(raised.value)
+    for code in fix_code(case, message):
+        assert code in case.fixed, f"the fix as printed, {code!r}, is not what the test runs"
+    if case.fresh:
+        done = run_fresh(FRESH_PRELUDE + setup + "\n" + case.fixed + "\n" + case.check, tmp_path)
+        assert done.returncode == 0, done.stderr
+    else:
+        exec(case.fixed, namespace)
+        exec(case.check, namespace)
+
+
+def _builders(module: object) -> set[str]:
+    return {
+        name
+        for name, f in vars(module).items()
+        if inspect.isfunction(f) and not name.startswith("_") and f.__module__ == module.__name__
+    }
+
+
+def test_every_message_is_classified() -> None:
+    """A new message builder must get a case (its fixes have code) or join PROSE."""
+    builders = set().union(*map(_builders, (_objects, _prefixes, _tools, _transforms)))
+    tested = {case.builder for case in CASES}
+    assert builders - tested - PROSE == set()
+    assert tested & PROSE == set()
+    assert (tested | PROSE) - builders == set()
