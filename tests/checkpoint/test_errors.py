@@ -172,7 +172,7 @@ def test_save_does_not_overwrite(saved: Path) -> None:
 
 def test_force_never_deletes_other_files(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="holds notes.txt, which is not a checkpoint"):
+    with pytest.raises(ValueError, match="holds notes.txt, which is not a checkpoint"):
         checkpoint.save(tmp_path, Saved(nnx.Rngs(0)), force=True)
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
