@@ -435,7 +435,7 @@ def write_failed(transform: str, directory: str, cause: str) -> str:
     return format_message(
         transform,
         "directory",
-        [f"could not write the checkpoint {directory} ({cause})"],
+        [f"could not write the checkpoint {directory}: {cause}"],
         "Rule: a checkpoint is committed only once every file is written; what this save "
         "wrote was removed, and the checkpoints saved before are as they were.",
         [

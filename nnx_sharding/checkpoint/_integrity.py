@@ -14,8 +14,13 @@ whose data is damaged or missing, the path that could not be written.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from orbax.checkpoint._src.serialization import tensorstore_utils
@@ -24,6 +29,7 @@ CRC32C = {"name": "crc32c"}
 
 
 def _with_checksum(build: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    @functools.wraps(build)  # orbax's own stays reachable as ``__wrapped__``
     def build_checksummed(*args: Any, **kwargs: Any) -> dict[str, Any]:
         metadata = build(*args, **kwargs)
         for codec in metadata.get("codecs", []):
@@ -106,3 +112,59 @@ def root_line(error: BaseException, at_most: int = 300) -> str:
 def os_error(error: BaseException) -> OSError | None:
     """The first OSError in ``error``'s chain (a full disk, a read-only directory)."""
     return next((e for e in chain(error) if isinstance(e, OSError)), None)
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
+
+
+def fault(error: BaseException) -> tuple[int | None, str]:
+    """The errno behind a failed write and its one-line cause (``No space left on
+    device``): an OSError's, or the one tensorstore names in its message; else
+    `root_line`."""
+    found = os_error(error)
+    number = found.errno if found is not None else None
+    if number is None:
+        match = next((m for e in chain(error) for m in [_OS_ERROR_CODE.search(str(e))] if m), None)
+        number = int(match.group(1)) if match else None
+    if number is None:
+        return None, root_line(error)
+    return number, os.strerror(number)
+
+
+class _QuietOrbax(logging.Filter):
+    """Drops orbax's error logs (tracebacks of its background threads) while one of our
+    saves is in flight: the error they report reaches the caller as one exception."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = 0
+        self.lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ours = self.in_flight > 0 and record.levelno >= logging.ERROR
+        return not (ours and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_QUIET = _QuietOrbax()
+logging.getLogger("absl").addFilter(_QUIET)
+
+
+def quiet_begin() -> None:
+    """A save of ours starts (orbax's error logs are dropped until `quiet_end`)."""
+    with _QUIET.lock:
+        _QUIET.in_flight += 1
+
+
+def quiet_end() -> None:
+    with _QUIET.lock:
+        _QUIET.in_flight = max(0, _QUIET.in_flight - 1)
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """`quiet_begin` ... `quiet_end` around a synchronous save."""
+    quiet_begin()
+    try:
+        yield
+    finally:
+        quiet_end()

@@ -13,7 +13,7 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 
 from .. import _errors
 from .._state_sharding import Filter
-from . import _exit, _replace
+from . import _exit, _integrity, _replace
 from ._io import (
     PathLike,
     StepSource,
@@ -23,7 +23,7 @@ from ._io import (
     save_args,
 )
 from ._restore import restore_from
-from ._save import write, write_failure
+from ._save import probe, write, write_failure
 from ._shardings import Shardings
 from ._state import Tree, savable
 
@@ -76,6 +76,7 @@ class Manager:
         self.directory: epath.Path = as_path(directory, transform)
         check_manager_directory(transform, self.directory)
         self._closed = False
+        self._pending: int | None = None  # the step being saved in the background
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
@@ -129,28 +130,36 @@ class Manager:
         transform = "Manager.save"
         step = _check_step(transform, step)
         arrays, described = savable(transform, tree)
-        if force:
-            self._wait(transform)
-            if step in self._manager.all_steps():
-                self._replace(transform, step, arrays, described)
-                return True
-        elif step in self._manager.all_steps():
-            raise FileExistsError(_errors.checkpoint_exists(transform, str(self.directory), step))
-        path = self._step_path(step)
+        self._wait(transform)  # the previous save first (orbax waits for it too)
+        if step in self._manager.all_steps():
+            if not force:
+                raise FileExistsError(
+                    _errors.checkpoint_exists(transform, str(self.directory), step)
+                )
+            self._replace(transform, step, arrays, described)
+            return True
+        probe(transform, self._step_path(step), self._name(step))
+        _integrity.quiet_begin()  # until `_wait`: the error reaches the caller once
+        self._pending = step
         try:
-            return bool(self._manager.save(step, args=save_args(arrays, described), force=force))
+            started = self._manager.save(step, args=save_args(arrays, described), force=force)
         except StepAlreadyExistsError:  # the same step still being saved in the background
+            self._settled()
             raise FileExistsError(
                 _errors.checkpoint_exists(transform, str(self.directory), step)
             ) from None
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
-            raise write_failure(transform, path, e) from None
+            self._settled()
+            raise write_failure(transform, self._step_path(step), e, self._name(step)) from None
+        if not started:
+            self._settled()
+        return bool(started)
 
     def _replace(self, transform: str, step: int, arrays: Any, described: Any) -> None:
         """Replaces the committed ``step``: written beside it, swapped in once committed."""
         _replace.replace(
             self._step_path(step),
-            lambda to: write(transform, to, arrays, described),
+            lambda to: write(transform, to, arrays, described, self._name(step)),
             jax.process_index() == 0,
         )
         self._manager.reload()
@@ -159,12 +168,28 @@ class Manager:
         name_format = ocp.path.step.standard_name_format()  # the Manager's step names
         return ocp.path.step.build_step_path(self.directory, name_format, step)
 
+    def _name(self, step: int) -> str:
+        return f"step {step} of {self.directory}"
+
+    def _settled(self) -> None:
+        """The pending save is over (committed or failed)."""
+        if self._pending is not None:
+            self._pending = None
+            _integrity.quiet_end()
+
     def _wait(self, transform: str) -> None:
-        """Waits for the save in the background; its failure as one OSError."""
+        """Waits for the save in the background; its failure as one OSError naming
+        its step (what it left is removed; the steps committed before are kept)."""
+        step = self._pending
         try:
             self._manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax re-raises the background error
-            raise write_failure(transform, self.directory, e) from None
+            if step is None:
+                raise write_failure(transform, self.directory, e) from None
+            path = self._step_path(step)
+            raise write_failure(transform, path, e, self._name(step)) from None
+        finally:
+            self._settled()
 
     def restore(
         self,

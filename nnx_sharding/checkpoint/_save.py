@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import jax
 from etils import epath
 
@@ -57,30 +61,57 @@ def save(directory: PathLike, tree: Tree, *, force: bool = False) -> None:
     arrays, described = savable(transform, tree)
     path = as_path(directory, transform)
     if check_destination(transform, path, force):
-        replace(path, lambda to: write(transform, to, arrays, described), jax.process_index() == 0)
+        replace(
+            path,
+            lambda to: write(transform, to, arrays, described, str(path)),
+            jax.process_index() == 0,
+        )
     else:
         write(transform, path, arrays, described)
 
 
-def write(transform: str, path: epath.Path, arrays: Nested, described: Json) -> None:
+def write(
+    transform: str, path: epath.Path, arrays: Nested, described: Json, name: str | None = None
+) -> None:
     """Writes a new checkpoint at ``path`` (orbax: into a temporary directory, renamed
-    once complete); a failure is one OSError naming ``path``, nothing left behind."""
+    once complete); a failure is one OSError naming ``name`` (default: ``path``),
+    nothing left behind."""
+    probe(transform, path, name)
     try:
-        checkpointer().save(path, args=save_args(arrays, described))
+        with _integrity.quiet():
+            checkpointer().save(path, args=save_args(arrays, described))
     except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
-        raise write_failure(transform, path, e) from None
+        raise write_failure(transform, path, e, name) from None
 
 
-def write_failure(transform: str, path: epath.Path, error: BaseException) -> OSError:
-    """``error``, raised while writing ``path``, as one OSError naming the path (the
-    errno of the OSError behind it, if any); uncommitted leftovers are removed."""
+def probe(transform: str, path: epath.Path, name: str | None = None) -> None:
+    """Raises `write_failure` unless a directory can be made beside ``path`` (a local
+    one; its parents are made). Orbax, failing to make its temporary directory, leaves
+    its writer threads waiting minutes for it (and the interpreter's exit with them)."""
+    text = os.fspath(path)
+    if "://" in text:
+        return
+    try:
+        parent = Path(text).parent
+        parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".nnx-checkpoint-probe-", dir=parent))
+    except OSError as e:
+        raise write_failure(transform, path, e, name) from None
+
+
+def write_failure(
+    transform: str, path: epath.Path, error: BaseException, name: str | None = None
+) -> OSError:
+    """``error``, raised while writing ``path``, as one OSError naming it (``name``:
+    how, e.g. ``step 2 of DIR``), with the errno behind it; uncommitted leftovers are
+    removed."""
     for temporary in path.parent.glob(f"{path.name}.orbax-checkpoint-tmp*"):
         try:
             temporary.rmtree()
         except OSError:
             pass  # a directory that cannot be written cannot be cleaned either
-    cause = _integrity.os_error(error)
-    message = _errors.write_failed(transform, str(path), _integrity.root_line(error))
-    if cause is None or cause.errno is None:
+    number, cause = _integrity.fault(error)
+    message = _errors.write_failed(transform, name or str(path), cause)
+    if number is None:
         return OSError(message)
-    return OSError(cause.errno, message)  # PermissionError, ... by the errno
+    return OSError(number, message)  # PermissionError, ... by the errno
