@@ -15,9 +15,11 @@ whose data is damaged or missing, the path that could not be written.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -129,6 +131,30 @@ def fault(error: BaseException) -> tuple[int | None, str]:
     if number is None:
         return None, root_line(error)
     return number, os.strerror(number)
+
+
+def collect_orphans() -> None:
+    """Collects what a failed orbax read left behind, quietly.
+
+    When one array's read fails, orbax's other reads (coroutines holding a slot of its
+    byte limiter) are left unfinished on an event loop it then closes; when they are
+    collected, each prints "Exception ignored ... Event loop is closed" (or the read
+    error of another shard). They are collected here, at once, with those messages
+    dropped (any other is printed).
+    """
+    hook = sys.unraisablehook
+
+    def quiet(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        closed = isinstance(error, RuntimeError) and "loop is closed" in str(error)
+        if not (closed or (error is not None and is_damage(error))):
+            hook(unraisable)
+
+    sys.unraisablehook = quiet
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 class _QuietOrbax(logging.Filter):

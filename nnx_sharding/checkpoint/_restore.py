@@ -90,7 +90,10 @@ def restore_from(
     except Exception as e:  # noqa: BLE001 - tensorstore's errors come wrapped by orbax
         if not _integrity.is_damage(e):
             raise
-        raise damaged(transform, source.name, selected, e) from None
+        error = damaged(transform, source.name, selected, e)
+        del e
+        _integrity.collect_orphans()
+        raise error from None
     result = nnx.clone(target) if abstract_paths else target
     by_path = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(result))}
     for path, _ in selected:
