@@ -14,6 +14,8 @@ def _listing(names: Sequence[str], at_most: int = 8) -> str:
 
 _SAVABLE_FIXES = {
     "node": "pass the modules themselves, e.g. `save(path, (model, optimizer))`;",
+    "variable": "put the Variable in a graph node or a container, e.g. "
+    "`save(path, nnx.Dict(w=variable))` or `save(path, {'w': variable})`;",
     "empty": "give a tree whose modules hold Variables (parameters, statistics, ...);",
     "outside": "hold an array a module keeps in a Variable, e.g. `self.x = nnx.Variable(x)`, "
     "or leave that module out of the tree;",
@@ -330,6 +332,11 @@ def mixed_target(
 def not_a_node_problem(where: str, type_name: str) -> str:
     """A problem for `not_savable`: a pytree leaf of the tree that is not a graph node."""
     return f"{where} is {_a(type_name)}, not a graph node"
+
+
+def bare_variable_problem(where: str, type_name: str) -> str:
+    """A problem for `not_savable`: a Variable given as the whole tree."""
+    return f"{where} is {_a(type_name)} alone: a Variable is saved by its path in a graph node"
 
 
 def no_variables_problem(argument: str) -> str:

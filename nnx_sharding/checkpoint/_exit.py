@@ -64,4 +64,5 @@ def _close_all() -> None:
         try:
             manager.close_at_exit()
         except Exception as e:  # noqa: BLE001 - reported, the exit goes on
-            print(f"nnx_sharding.checkpoint: at exit, {e}", file=sys.stderr)
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            print(f"nnx_sharding.checkpoint: at exit: {first}", file=sys.stderr)

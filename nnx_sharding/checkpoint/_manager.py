@@ -86,6 +86,7 @@ class Manager:
         try:
             if jax.process_index() == 0:
                 self._recover()
+            _replace.sync("nnx_sharding_checkpoint_manager_recovered")
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_handlers=handlers()
             )

@@ -77,7 +77,7 @@ def replace(path: epath.Path, write: Callable[[epath.Path], None], primary: bool
     multi-process run, one process does; every process calls ``write``)."""
     if primary:
         recover(path)
-    _sync("nnx_sharding_checkpoint_replace_recovered")
+    sync("nnx_sharding_checkpoint_replace_recovered")
     new = staged(path)
     write(new)
     if primary:
@@ -87,10 +87,10 @@ def replace(path: epath.Path, write: Callable[[epath.Path], None], primary: bool
         new.rename(path)
         if old.exists():
             old.rmtree()
-    _sync("nnx_sharding_checkpoint_replace_done")
+    sync("nnx_sharding_checkpoint_replace_done")
 
 
-def _sync(name: str) -> None:
+def sync(name: str) -> None:
     """A barrier of all processes (nothing to wait for in a single-process run)."""
     if jax.process_count() > 1:
         ocp.multihost.sync_global_processes(name)

@@ -378,3 +378,14 @@ def test_manager_restore_checks_types(tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         restored.head.bias.get_value(), Saved(nnx.Rngs(0)).head.bias.get_value()
     )
+
+
+def test_a_variable_alone_is_refused_and_the_fixes_work(tmp_path: Path) -> None:
+    variable = nnx.Param(jnp.arange(3.0))
+    with pytest.raises(TypeError, match=r"tree is a Param alone: a Variable is saved by its"):
+        checkpoint.save(tmp_path / "alone", variable)
+    assert not (tmp_path / "alone").exists()
+    for name, fixed in [("dict", nnx.Dict(w=variable)), ("plain", {"w": variable})]:
+        checkpoint.save(tmp_path / name, fixed)
+        restored = checkpoint.restore(tmp_path / name, nnx.eval_shape(lambda f=fixed: f))
+        np.testing.assert_array_equal(restored["w"].get_value(), variable.get_value())

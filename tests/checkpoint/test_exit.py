@@ -97,3 +97,42 @@ def test_closing_twice_and_closing_at_exit_do_nothing_more(tmp_path: Path) -> No
     manager.close()
     manager.close_at_exit()
     assert sorted(os.listdir(tmp_path)) == ["1"]
+
+
+FAILING = textwrap.dedent(
+    """
+    import resource, signal, sys
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    import jax.numpy as jnp
+    from flax import nnx
+    from nnx_sharding import checkpoint
+
+    manager = checkpoint.Manager(sys.argv[1])
+    manager.save(1, nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    manager.wait_until_finished()
+    # no file of this process may grow past 1 MiB from here: the 4 MiB save fails
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    noise = jax.random.uniform(jax.random.key(0), (1024, 1024))  # does not compress
+    manager.save(2, nnx.Dict(w=nnx.Param(noise)))
+    print("end of script", flush=True)
+    """
+)
+
+
+def test_a_pending_save_that_fails_at_exit_is_one_line(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", FAILING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    context = f"rc {run.returncode}\n{run.stdout}\n{run.stderr}"
+    assert run.returncode == 0 and "end of script" in run.stdout, context
+    assert [line for line in run.stderr.splitlines() if "Warning" not in line] == [
+        "nnx_sharding.checkpoint: at exit: [Errno 27] Manager.close: directory: could not "
+        f"write the checkpoint step 2 of {tmp_path}: File too large"
+    ], context
+    assert sorted(os.listdir(tmp_path)) == ["1"], context
