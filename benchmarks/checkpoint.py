@@ -8,11 +8,17 @@ of its own, so that its peak memory is its own:
   ours      checkpoint.restore(dir, nnx.eval_shape(lambda: Model(...)), shardings=StateSharding)
   orbax     ocp.StandardCheckpointer().restore(<the array item of the same checkpoint>,
             a hand-built tree of jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding))
+  orbax, no checksums     (with --unchecked) orbax restoring a second copy of the
+            checkpoint saved without the crc32c codec on its chunks (orbax's own zarr v3
+            chunks): what verifying the checksums costs, orbax / this
   orbax, N GB in flight   (with --orbax-limit-gb N) the same with
             StandardCheckpointer(restore_concurrent_gb=N): orbax reads every shard into a
             host buffer before copying it onto its device, all at once unless this bounds
             the bytes in flight; a reference for the peak memory, not in the ratio
 
+Every chunk `nnx_sharding.checkpoint.save` writes carries its CRC-32C (tensorstore's
+``crc32c`` codec), verified by whoever reads it: ours and orbax read the same
+checksummed files, so the ratio ours / orbax includes the verification on both sides.
 Both restore into the same layout: kernels ``P(None, 'model')``, biases ``P('model')``.
 Time: the wall time of the restore call and `jax.block_until_ready` on what it returns
 (the abstract target is made before the clock starts, for both). Memory: the process's
@@ -27,7 +33,7 @@ mean anything). The files are read from the page cache alike (the
 checkpoint was just written); the machine's load average is recorded before and after.
 
 Run:  python benchmarks/checkpoint.py [--quick] [--size-gib 1] [--rounds 7] [--tag cpu]
-                                      [--orbax-limit-gb 0.1]
+                                      [--orbax-limit-gb 0.1] [--unchecked]
   or  nox -s bench_checkpoint
 Writes checkpoint[-TAG].json to benchmarks/results/ (or --out). --dir keeps the
 checkpoint (default: a temporary directory, removed at the end).
@@ -133,13 +139,19 @@ ITEM = "state"
 
 
 # ----------------------------------------------------------------------------- the workers
-def worker_save(directory: Path, width: int, layers: int) -> dict[str, Any]:
-    """Creates the model sharded (never whole on one device) and saves it once."""
+def worker_save(directory: Path, width: int, layers: int, plain: bool = False) -> dict[str, Any]:
+    """Creates the model sharded (never whole on one device) and saves it once;
+    ``plain``: without the crc32c codec on the chunks (orbax's own zarr v3 layout)."""
     import jax
     from flax import nnx
 
     import nnx_sharding
     from nnx_sharding import checkpoint
+    from nnx_sharding.checkpoint import _integrity
+
+    if plain:  # orbax's metadata builder as it was before `_integrity.install`
+        build = _integrity.tensorstore_utils._build_zarr3_metadata
+        _integrity.tensorstore_utils._build_zarr3_metadata = build.__wrapped__
 
     mesh = make_mesh()
     rules = layout(mesh)
@@ -206,10 +218,11 @@ def worker_main(argv: list[str]) -> None:
     parser.add_argument("width", type=int)
     parser.add_argument("layers", type=int)
     parser.add_argument("--limit-gb", type=float)
+    parser.add_argument("--plain", action="store_true")
     args = parser.parse_args(argv)
     start_jax()
     if args.which == "save":
-        result = worker_save(args.directory, args.width, args.layers)
+        result = worker_save(args.directory, args.width, args.layers, args.plain)
     else:
         result = worker_restore(args.which, args.directory, args.width, args.layers, args.limit_gb)
     print("RESULT " + json.dumps(result))
@@ -217,12 +230,19 @@ def worker_main(argv: list[str]) -> None:
 
 # ----------------------------------------------------------------------------- the driver
 def in_subprocess(
-    which: str, directory: Path, width: int, layers: int, limit_gb: float | None = None
+    which: str,
+    directory: Path,
+    width: int,
+    layers: int,
+    limit_gb: float | None = None,
+    plain: bool = False,
 ) -> dict[str, Any]:
     """Runs one worker in a fresh process; its RESULT."""
     command = [sys.executable, __file__, "--worker", which, str(directory), str(width), str(layers)]
     if limit_gb is not None:
         command += ["--limit-gb", str(limit_gb)]
+    if plain:
+        command += ["--plain"]
     run = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     if run.returncode != 0 or not lines:
@@ -279,6 +299,15 @@ def print_table(report: dict[str, Any]) -> None:
         "",
         f"{report['memory_ratio']['median']:.2f}× ours",
     )
+    if "checksum_cost_ratio" in report:
+        cost = report["checksum_cost_ratio"]
+        table.add_row(
+            "verifying (orbax / no checksums)",
+            f"{cost['median']:.2f}× ({cost['min']:.2f}–{cost['max']:.2f})",
+            "",
+            "",
+            "",
+        )
     console = Console(width=max(Console().width, 120))
     console.print(table)
     verdicts = report["verdicts"]
@@ -305,6 +334,11 @@ def main() -> None:
         type=float,
         help="also time orbax with restore_concurrent_gb=N (bytes in flight, GB)",
     )
+    parser.add_argument(
+        "--unchecked",
+        action="store_true",
+        help="also time orbax on a copy saved without checksums (what verifying costs)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.size_gib, args.width, args.rounds = 1 / 64, 512, 2
@@ -318,21 +352,28 @@ def main() -> None:
         saved = in_subprocess("save", directory, args.width, layers)
         print(f"saved {saved['model_bytes'] / GIB:.3f} GiB ({layers} x Linear({args.width}, "
               f"{args.width})) in {saved['save_s']:.1f} s to {directory}")  # fmt: skip
-        variants = {"ours": ("ours", None), "orbax": ("orbax", None)}
+        variants = {"ours": ("ours", None, directory), "orbax": ("orbax", None, directory)}
+        if args.unchecked:
+            plain = directory.parent / (directory.name + "-no-checksums")
+            in_subprocess("save", plain, args.width, layers, plain=True)
+            variants["orbax, no checksums"] = ("orbax", None, plain)
         if args.orbax_limit_gb is not None:
             variants[f"orbax, {args.orbax_limit_gb:g} GB in flight"] = (
                 "orbax",
                 args.orbax_limit_gb,
+                directory,
             )
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
-        ratios = []
+        ratios, verify = [], []
         for i in range(args.rounds):
             order = list(variants) if i % 2 == 0 else list(reversed(variants))
             for name in order:
-                which, limit = variants[name]
-                runs[name].append(in_subprocess(which, directory, args.width, layers, limit))
+                which, limit, where = variants[name]
+                runs[name].append(in_subprocess(which, where, args.width, layers, limit))
             ours, orbax = runs["ours"][-1]["seconds"], runs["orbax"][-1]["seconds"]
             ratios.append(ours / orbax)
+            if args.unchecked:
+                verify.append(orbax / runs["orbax, no checksums"][-1]["seconds"])
             times = ", ".join(f"{name} {runs[name][-1]['seconds']:.2f} s" for name in variants)
             print(f"round {i + 1}: {times}; ours / orbax {ratios[-1]:.2f}")
         load_after = [round(x, 2) for x in os.getloadavg()]
@@ -369,6 +410,8 @@ def main() -> None:
             "runs": results,
         }
     report["time_ratio"] = summary(ratios)
+    if verify:  # orbax on checksummed files / orbax on the same without checksums
+        report["checksum_cost_ratio"] = summary(verify)
     report["memory_ratio"] = report["ours"]["net_peak_over_model"]
     report["verdicts"] = {
         "time": report["time_ratio"]["median"] <= TIME_LIMIT,

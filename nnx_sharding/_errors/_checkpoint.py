@@ -14,6 +14,8 @@ def _listing(names: Sequence[str], at_most: int = 8) -> str:
 
 _SAVABLE_FIXES = {
     "node": "pass the modules themselves, e.g. `save(path, (model, optimizer))`;",
+    "variable": "put the Variable in a graph node or a container, e.g. "
+    "`save(path, nnx.Dict(w=variable))` or `save(path, {'w': variable})`;",
     "empty": "give a tree whose modules hold Variables (parameters, statistics, ...);",
     "outside": "hold an array a module keeps in a Variable, e.g. `self.x = nnx.Variable(x)`, "
     "or leave that module out of the tree;",
@@ -64,14 +66,18 @@ def checkpoint_exists(transform: str, directory: str, step: int | None = None) -
     )
 
 
-def overwrite_foreign(transform: str, directory: str, found: Sequence[str]) -> str:
+def overwrite_foreign(transform: str, directory: str, found: Sequence[str] | None) -> str:
+    """``found``: what the directory holds; None when ``directory`` is a file."""
+    problem = (
+        f"{directory} is a file, not a directory"
+        if found is None
+        else f"{directory} exists and holds {_listing(list(found))}, which is not a "
+        "checkpoint written by nnx_sharding.checkpoint"
+    )
     return format_message(
         transform,
         "directory",
-        [
-            f"{directory} exists and holds {_listing(list(found))}, which is not a "
-            "checkpoint written by nnx_sharding.checkpoint"
-        ],
+        [problem],
         "Rule: save writes into a new or empty directory; `force=True` replaces a "
         "checkpoint, never a directory of other files (it would delete them).",
         [
@@ -328,6 +334,11 @@ def not_a_node_problem(where: str, type_name: str) -> str:
     return f"{where} is {_a(type_name)}, not a graph node"
 
 
+def bare_variable_problem(where: str, type_name: str) -> str:
+    """A problem for `not_savable`: a Variable given as the whole tree."""
+    return f"{where} is {_a(type_name)} alone: a Variable is saved by its path in a graph node"
+
+
 def no_variables_problem(argument: str) -> str:
     """A problem for `not_savable`: the tree has graph nodes but no Variable in them."""
     return f"{argument} has no Variables: there is nothing to save or restore"
@@ -373,3 +384,111 @@ def value_problem(kind: str, var_type: str, where: str, value_type: str = "") ->
 def describe_variable(type_name: str, shape: Sequence[int], dtype: str) -> str:
     """``a Param of shape (2, 3) float32``, for `mismatch_detail`."""
     return f"{_a(type_name)} of shape {tuple(shape)} {dtype}"
+
+
+def empty_checkpoint_path(transform: str, text: str) -> str:
+    return format_message(
+        transform,
+        "directory",
+        [f"the path is empty ({text!r})"],
+        "Rule: a checkpoint directory is named; an empty path would mean the current "
+        "directory, and save would write into it.",
+        ["name a directory, e.g. `checkpoint.save('checkpoints/run1', model)`."],
+    )
+
+
+def manager_not_a_directory(transform: str, directory: str) -> str:
+    return format_message(
+        transform,
+        "directory",
+        [f"{directory} is a file, not a directory"],
+        "Rule: a Manager keeps its steps in a directory of their own, which it creates if missing.",
+        ["give a new directory, or one a Manager wrote, e.g. `Manager('checkpoints/run1')`."],
+    )
+
+
+def manager_on_checkpoint(transform: str, directory: str) -> str:
+    return format_message(
+        transform,
+        "directory",
+        [f"{directory} is a checkpoint written by checkpoint.save, not a Manager's directory"],
+        "Rule: a Manager keeps numbered steps in a directory of their own; a single "
+        "checkpoint is read with `checkpoint.restore`.",
+        [
+            "read it with `checkpoint.restore(directory, target)`;",
+            "give the Manager a new directory, e.g. `Manager('checkpoints/run1')`.",
+        ],
+    )
+
+
+def manager_foreign(transform: str, directory: str, found: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "directory",
+        [
+            f"{directory} holds {_listing(list(found))}, which a Manager did not write "
+            "(a Manager's directory holds numbered steps only)"
+        ],
+        "Rule: a Manager writes its steps into a new or empty directory, or one it wrote "
+        "before; it never mixes them with other files.",
+        [
+            "give the Manager a directory of its own, e.g. `directory / 'checkpoints'`;",
+            "or move those files elsewhere if they belong there by mistake.",
+        ],
+    )
+
+
+def write_failed(transform: str, directory: str, cause: str) -> str:
+    return format_message(
+        transform,
+        "directory",
+        [f"could not write the checkpoint {directory}: {cause}"],
+        "Rule: a checkpoint is committed only once every file is written; what this save "
+        "wrote was removed, and the checkpoints saved before are as they were.",
+        [
+            "check that the directory is writable and its disk has room (`df -h`), then "
+            "save again;",
+            "or save to another directory.",
+        ],
+    )
+
+
+def variable_types_differ(transform: str, directory: str, problems: Sequence[str]) -> str:
+    return format_message(
+        transform,
+        "target",
+        list(problems),
+        f"Rule: each Variable is restored into a Variable of the type saved in {directory} "
+        "(a Param into a Param): a value restored into another type would be trained, "
+        "or not, against its meaning. Nothing was read or changed.",
+        [
+            "build the target as the saved tree was built (same modules and Variable types);",
+            "or, to restore values into Variables of another type on purpose, pass "
+            "`allow_type_change=True`.",
+        ],
+    )
+
+
+def type_detail(path: str, here: str, there: str) -> str:
+    """One problem for `variable_types_differ`."""
+    return f"{path}: {_a(here)} in the target, {_a(there)} in the checkpoint"
+
+
+def damaged_checkpoint(transform: str, directory: str, paths: Sequence[str], cause: str) -> str:
+    """``paths``: the Variables whose stored data failed to read (may be empty)."""
+    problems = [f"the data of {p} is damaged or missing ({cause})" for p in paths] or [
+        f"the data of {directory} is damaged or missing ({cause})"
+    ]
+    return format_message(
+        transform,
+        "directory",
+        problems,
+        f"Rule: every chunk of every array is stored with its checksum (CRC-32C), checked "
+        f"when it is read; the data in {directory} no longer matches what was saved, or a "
+        "file is cut short. Nothing was changed: the target is as it was.",
+        [
+            "restore an earlier checkpoint, e.g. `manager.restore(target, step=...)` with "
+            "an older step;",
+            "or copy the checkpoint again from where it came from (a backup, the bucket).",
+        ],
+    )

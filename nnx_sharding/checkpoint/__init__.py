@@ -7,7 +7,14 @@
   target's own shardings or its sharding metadata; each device reads only its shards.
   ``filter=nnx.Param`` restores part of it.
 - `Manager`: numbered steps of a training loop, the last N kept, saved in the
-  background; steps whose save was interrupted are never offered.
+  background; steps whose save was interrupted are never offered, and a Manager still
+  open when the program ends commits its pending save first.
+
+A save interrupted at any point leaves the previous checkpoint or the new one, complete
+(a replaced checkpoint is removed only once its successor is committed). Every chunk of
+every array is stored with its CRC-32C, which every read checks; `restore` also checks
+each Variable's path, shape, dtype and type before reading, and reads every array
+before setting any Variable: on an error the target is as it was.
 
 A checkpoint is an orbax checkpoint with two items: ``state`` (the arrays, by
 Variable path) and ``nnx`` (their description, as JSON). Importing this module imports

@@ -19,7 +19,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from .. import _errors
+from . import _integrity
+from ._replace import ASIDE, STAGED, located
 from ._state import Json, Nested
+
+_integrity.install()  # every chunk written with its crc32c, checked on every read
 
 PathLike: TypeAlias = str | os.PathLike[str]
 """A checkpoint directory: a local path, or a URL orbax can write (``gs://...``)."""
@@ -30,10 +34,12 @@ STATE = "state"
 NNX = "nnx"
 
 
-def as_path(directory: PathLike) -> epath.Path:
+def as_path(directory: PathLike, transform: str = "checkpoint") -> epath.Path:
     """``directory`` as an absolute ``epath.Path``, ``~`` expanded (URLs are kept as they
-    are)."""
+    are); ValueError for an empty path (it would mean the current directory)."""
     text = os.fspath(directory)
+    if not text.strip():
+        raise ValueError(_errors.empty_checkpoint_path(transform, text))
     return epath.Path(text if "://" in text else os.path.abspath(os.path.expanduser(text)))
 
 
@@ -44,7 +50,10 @@ READ_FRACTION = 0.05
 def handlers(read_gb: float | None = None) -> dict[str, ocp.CheckpointHandler]:
     """The handler of each item, for `checkpointer` and the Manager: ``read_gb`` caps
     the bytes being read at once (orbax's ``restore_concurrent_gb``; None: its default)."""
-    state = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=read_gb)  # type: ignore[arg-type]
+    state = ocp.PyTreeCheckpointHandler(
+        restore_concurrent_gb=read_gb,  # type: ignore[arg-type]
+        use_zarr3=True,  # for tensorstore's crc32c codec (`_integrity`)
+    )
     return {STATE: state, NNX: ocp.JsonCheckpointHandler()}
 
 
@@ -101,18 +110,49 @@ def listing(path: epath.Path) -> list[str]:
 
 
 def check_destination(transform: str, path: epath.Path, force: bool) -> bool:
-    """Whether orbax may replace what is at ``path`` (an empty directory, or with
-    ``force`` a checkpoint); raises FileExistsError for anything else there."""
-    if not path.exists():
+    """Whether a save to ``path`` replaces something there (an empty directory, or with
+    ``force`` a checkpoint). Raises, before anything is written, ValueError for a file
+    or a directory of other files, FileExistsError for a checkpoint without ``force``."""
+    found_at = located(path)
+    if not found_at.exists():
         return False
-    found = listing(path) if path.is_dir() else [f"{path.name} (a file)"]
+    if found_at != path:  # a replacement interrupted between its renames (`_replace`)
+        if not force:
+            raise FileExistsError(_errors.checkpoint_exists(transform, str(path)))
+        return True
+    if not path.is_dir():
+        raise ValueError(_errors.overwrite_foreign(transform, str(path), None))
+    found = listing(path)
     if not found:
         return True  # an empty directory: made for the checkpoint
-    if not path.is_dir() or not is_ours(path):
-        raise FileExistsError(_errors.overwrite_foreign(transform, str(path), found))
+    if not is_ours(path):
+        raise ValueError(_errors.overwrite_foreign(transform, str(path), found))
     if not force:
         raise FileExistsError(_errors.checkpoint_exists(transform, str(path)))
     return True
+
+
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is what a Manager keeps in its directory: a step (``12``), one
+    being written (``12.orbax-checkpoint-tmp-...``), one being replaced (`_replace`)."""
+    step = name.split(".", 1)[0]
+    rest = name[len(step) :]
+    return step.isdigit() and (
+        rest in ("", STAGED, ASIDE) or rest.startswith((".orbax-checkpoint-tmp", STAGED + "."))
+    )
+
+
+def check_manager_directory(transform: str, path: epath.Path) -> None:
+    """Raises ValueError, before anything is written, unless ``path`` is missing, an
+    empty directory, or one holding a Manager's steps only."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(_errors.manager_not_a_directory(transform, str(path)))
+    if is_ours(path):
+        raise ValueError(_errors.manager_on_checkpoint(transform, str(path)))
+    if foreign := [name for name in listing(path) if not is_step_name(name)]:
+        raise ValueError(_errors.manager_foreign(transform, str(path), foreign))
 
 
 class Source(Protocol):
@@ -136,8 +176,9 @@ class DirectorySource:
 
     def __init__(self, transform: str, directory: PathLike):
         self.transform = transform
-        self.path = as_path(directory)
-        self.name = str(self.path)
+        self.name = str(as_path(directory, transform))
+        # a replacement interrupted between its renames: the committed new one (`_replace`)
+        self.path = located(as_path(directory, transform))
         self._checkpointer = checkpointer()
 
     def check(self) -> None:

@@ -20,6 +20,7 @@ from flax import nnx
 
 from .. import _errors
 from .._state_sharding import Filter, Path
+from . import _integrity
 from ._io import DirectorySource, PathLike, Source
 from ._shardings import Shardings, resolve
 from ._state import (
@@ -46,7 +47,13 @@ def selector(transform: str, filter_: Filter | None) -> Predicate | None:
         raise TypeError(_errors.bad_restore_filter(transform, filter_, e)) from None
 
 
-def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filter | None) -> T:
+def restore_from(
+    source: Source,
+    target: T,
+    shardings: Shardings,
+    filter_: Filter | None,
+    allow_type_change: bool = False,
+) -> T:
     """Restores ``target`` from ``source``; see `checkpoint.restore` for the contract."""
     transform = source.transform
     found = variables(transform, "target", target)
@@ -68,6 +75,8 @@ def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filte
         raise ValueError(_errors.foreign_checkpoint(transform, source.name, ["no 'nnx' item"]))
     saved = ocp.tree.to_flat_dict(metadata)
     compare(transform, source.name, selected, saved, entries, strict=predicate is None)
+    if not allow_type_change:
+        check_types(transform, source.name, selected, entries)
     shapes = [_struct(v.get_raw_value()) for _, v in selected]
     placed = resolve(transform, target, shardings, selected, shapes)
     abstract = ocp.tree.from_flat_dict(
@@ -76,7 +85,15 @@ def restore_from(source: Source, target: T, shardings: Shardings, filter_: Filte
             for (path, _), s, sharding in zip(selected, shapes, placed, strict=True)
         }
     )
-    restored = ocp.tree.to_flat_dict(source.read(abstract))
+    try:
+        restored = ocp.tree.to_flat_dict(source.read(abstract))
+    except Exception as e:  # noqa: BLE001 - tensorstore's errors come wrapped by orbax
+        if not _integrity.is_damage(e):
+            raise
+        error = damaged(transform, source.name, selected, e)
+        del e
+        _integrity.collect_orphans()
+        raise error from None
     result = nnx.clone(target) if abstract_paths else target
     by_path = {tuple(p): v for p, v in nnx.to_flat_state(nnx.state(result))}
     for path, _ in selected:
@@ -129,6 +146,36 @@ def compare(
         raise ValueError(_errors.checkpoint_mismatch(transform, name, problems, dtypes))
 
 
+def check_types(
+    transform: str,
+    name: str,
+    selected: Sequence[tuple[Path, nnx.Variable]],
+    entries: Mapping[Key, Entry],
+) -> None:
+    """Raises TypeError listing every selected Variable whose type differs from the
+    type saved at its path (compared by class name, as the JSON item records it)."""
+    problems = [
+        _errors.type_detail(where("target", path), type(var).__name__, entry.type)
+        for path, var in selected
+        for entry in [entries.get(stored_key(path))]
+        if entry is not None and entry.type != type(var).__name__
+    ]
+    if problems:
+        raise TypeError(_errors.variable_types_differ(transform, name, problems))
+
+
+def damaged(
+    transform: str, name: str, selected: Sequence[tuple[Path, nnx.Variable]], error: Exception
+) -> ValueError:
+    """The read of the arrays failed: a damaged chunk (its checksum), a file cut short
+    or missing. A ValueError naming the Variables tensorstore named."""
+    by_name = {".".join(stored_key(path)): where("target", path) for path, _ in selected}
+    paths = [by_name[n] for n in _integrity.damaged_names(error) if n in by_name]
+    return ValueError(
+        _errors.damaged_checkpoint(transform, name, paths, _integrity.root_line(error))
+    )
+
+
 def _saved_struct(metadata: Any, entry: Entry | None) -> tuple[tuple[int, ...], str]:
     """The logical shape and dtype of a saved array: a PRNG key's from the JSON item."""
     if entry is not None and entry.dtype.startswith("key<"):
@@ -151,6 +198,7 @@ def restore(
     *,
     shardings: Shardings = None,
     filter: Filter | None = None,  # noqa: A002 - the name nnx uses for its filters
+    allow_type_change: bool = False,
 ) -> T:
     """Restores the checkpoint at ``directory`` into ``target``, laid out as asked.
 
@@ -182,6 +230,9 @@ def restore(
         the target's other Variables keep their values (in an abstract target, that
         is an error). None (the default): restore every Variable, and the checkpoint
         must have exactly the target's.
+      allow_type_change: restore a value into a Variable of another type than the one
+        saved at its path (a saved ``Param`` into a ``BatchStat``); without it, that
+        is a TypeError.
 
     Returns:
       A concrete tree of ``target``'s structure. A concrete target is updated in place
@@ -197,10 +248,14 @@ def restore(
         a sharding does not divide its array, or a PartitionSpec has no mesh or names
         axes it lacks; an abstract Variable the filter leaves out; a filter that
         selects no Variable; a target part abstract, part concrete.
+        The stored data of a Variable is damaged (a chunk whose CRC-32C checksum
+        does not match) or cut short: the error names it.
       TypeError: ``target`` is not a pytree of graph nodes of arrays, or ``filter``
-        is not an nnx filter.
+        is not an nnx filter; a Variable's type differs from the one saved at its
+        path (every such path listed, with both types), unless ``allow_type_change``.
 
-    Every check runs before anything is read: on an error the target is as it was.
+    Every check runs before anything is read, and every array is read before any
+    Variable is set: on an error the target is as it was.
 
     >>> import shutil, tempfile
     >>> from flax import nnx
@@ -214,4 +269,5 @@ def restore(
     True
     >>> shutil.rmtree(directory)
     """
-    return restore_from(DirectorySource("checkpoint.restore", directory), target, shardings, filter)
+    source = DirectorySource("checkpoint.restore", directory)
+    return restore_from(source, target, shardings, filter, allow_type_change)

@@ -91,6 +91,8 @@ def variables(transform: str, argument: str, tree: Tree) -> list[tuple[Path, nnx
         for kp, leaf in keyed
         if not is_node(leaf)
     ]
+    if isinstance(tree, nnx.Variable):  # no path of its own: nnx.state fails on it
+        problems.append(("variable", _errors.bare_variable_problem(argument, type(tree).__name__)))
     found = [] if problems else nnx.to_flat_state(nnx.state(tree))
     if not problems and not found:
         problems.append(("empty", _errors.no_variables_problem(argument)))

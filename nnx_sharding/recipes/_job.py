@@ -12,6 +12,7 @@ trains from scratch: it is cheap and keeps the comparison the same.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -95,11 +96,22 @@ def run(
         and, when it holds a checkpoint, to resume it from.
 
     Returns:
-      The exit status: 0 when the final losses agree to `RTOL` (or a checkpoint is
-      already at ``steps``), 1 otherwise.
+      The exit status: 0 when the final losses agree to `RTOL` (or the checkpoint has
+      nothing left to train), 1 otherwise, 2 when ``checkpoint`` cannot hold checkpoints
+      (a file, an empty path, a directory of other files; nothing is written).
     """
     console = console or Console()
     start = time.perf_counter()
+    manager = None
+    if checkpoint is not None:
+        from ..checkpoint import Manager
+
+        try:  # the path is checked before anything is trained or written
+            manager = Manager(checkpoint, max_to_keep=MAX_TO_KEEP)
+        except (ValueError, OSError) as e:
+            problem = str(e).splitlines()[0].split(": ", 2)[-1]
+            print(f"python -m nnx_sharding: error: --checkpoint: {problem}", file=sys.stderr)
+            return 2
     hidden, batch = 16 * axes.get("model", 1), 32 * axes.get("data", 1)
     name, step, placement = pick_recipe(axes)
     batches = make_batches(16, batch, DIN, DOUT)
@@ -108,12 +120,9 @@ def run(
     optimizer = make_optimizer(model)
     console.print(f"[bold]{name}[/] on mesh {dict(axes)}")
     console.print(f"MLP {DIN} -> {hidden} -> {DOUT}, batch {batch}, adam, {steps} steps")
-    manager, first = None, 0
-    if checkpoint is not None:
-        from ..checkpoint import Manager
-
-        directory = Path(checkpoint).resolve()
-        manager = Manager(directory, max_to_keep=MAX_TO_KEEP)
+    first = 0
+    if manager is not None:
+        directory = Path(str(manager.directory))
         try:
             resumed = _resume(manager, directory, axes, hidden, steps, console)
         except _Stop as stop:
@@ -191,7 +200,7 @@ def _resume(
             f"the checkpoint in {directory} is at step {latest}, --steps is {steps}: "
             "nothing to train"
         )
-        raise _Stop(0 if latest == steps else 1)
+        raise _Stop(0)
     abstract = nnx.eval_shape(lambda: _model_and_optimizer(hidden))
     try:
         model, optimizer = manager.restore(abstract, shardings=state_layout(axes))

@@ -172,7 +172,7 @@ def test_save_does_not_overwrite(saved: Path) -> None:
 
 def test_force_never_deletes_other_files(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="holds notes.txt, which is not a checkpoint"):
+    with pytest.raises(ValueError, match="holds notes.txt, which is not a checkpoint"):
         checkpoint.save(tmp_path, Saved(nnx.Rngs(0)), force=True)
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
@@ -329,3 +329,63 @@ def test_a_target_made_under_another_mesh(saved: Path) -> None:
     message = str(info.value)
     assert "(the mesh set has the axes {'data': 8})" in message
     assert "make the target under the mesh restore runs under" in message
+
+
+class Stats(nnx.Module):
+    """`Saved`'s paths, shapes and dtypes, with other Variable types: the encoder's
+    kernel a BatchStat, the head's bias an Intermediate."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.encoder = nnx.Linear(4, 8, rngs=rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.encoder.kernel = nnx.BatchStat(self.encoder.kernel.get_value())
+        self.head.bias = nnx.Intermediate(self.head.bias.get_value())
+
+
+def test_a_variable_of_another_type_is_a_type_error(saved: Path) -> None:
+    target = Stats(nnx.Rngs(1))
+    check = unchanged(target)
+    with pytest.raises(TypeError) as info:
+        checkpoint.restore(saved, target)
+    assert str(info.value).splitlines()[:3] == [
+        "checkpoint.restore: target: 2 problems:",
+        "  - target.encoder.kernel: a BatchStat in the target, a Param in the checkpoint",
+        "  - target.head.bias: an Intermediate in the target, a Param in the checkpoint",
+    ]
+    assert "allow_type_change=True" in str(info.value)
+    check()
+    # abstract, or through a filter that selects one of them: the same check
+    with pytest.raises(TypeError, match=r"target\.encoder\.kernel: a BatchStat"):
+        checkpoint.restore(saved, nnx.eval_shape(lambda: Stats(nnx.Rngs(1))))
+    with pytest.raises(TypeError, match=r"^checkpoint.restore: target: target\.head\.bias"):
+        checkpoint.restore(saved, target, filter=nnx.PathContains("head"))
+    check()
+    # the fix the message gives: the values, into the target's own types
+    restored = checkpoint.restore(saved, target, allow_type_change=True)
+    assert type(restored.encoder.kernel) is nnx.BatchStat
+    expected = values(checkpoint.restore(saved, nnx.eval_shape(lambda: Saved(nnx.Rngs(5)))))
+    for path, value in values(restored).items():
+        np.testing.assert_array_equal(value, expected[path])
+
+
+def test_manager_restore_checks_types(tmp_path: Path) -> None:
+    with checkpoint.Manager(tmp_path) as manager:
+        manager.save(1, Saved(nnx.Rngs(0)))
+        with pytest.raises(TypeError, match=r"Manager.restore: target: 2 problems"):
+            manager.restore(Stats(nnx.Rngs(1)))
+        restored = manager.restore(Stats(nnx.Rngs(1)), allow_type_change=True)
+    np.testing.assert_array_equal(
+        restored.head.bias.get_value(), Saved(nnx.Rngs(0)).head.bias.get_value()
+    )
+
+
+def test_a_variable_alone_is_refused_and_the_fixes_work(tmp_path: Path) -> None:
+    variable = nnx.Param(jnp.arange(3.0))
+    with pytest.raises(TypeError, match=r"tree is a Param alone: a Variable is saved by its"):
+        checkpoint.save(tmp_path / "alone", variable)
+    assert not (tmp_path / "alone").exists()
+    for name, fixed in [("dict", nnx.Dict(w=variable)), ("plain", {"w": variable})]:
+        checkpoint.save(tmp_path / name, fixed)
+        restored = checkpoint.restore(tmp_path / name, nnx.eval_shape(lambda f=fixed: f))
+        np.testing.assert_array_equal(restored["w"].get_value(), variable.get_value())
