@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
@@ -34,6 +35,13 @@ from ._sharding import (
     is_node,
     prefixes,
     variable_shardings,
+)
+from ._tree import (
+    SimpleCall,
+    SimpleTraced,
+    check_prefix,
+    resolve_mode,
+    unique_leaves,
 )
 from ._types import Device
 
@@ -176,6 +184,115 @@ class JitWrapped(CachedCall[P, R]):
         if any(plan.donate):
             options["donate_argnums"] = 0
         return jax.jit(make_inner(self.fun, plan), **options)
+
+
+class SimpleJitWrapped(JitWrapped[P, R]):
+    """`JitWrapped` on flax's simple path: ``graph=False`` (tree mode) or
+    ``graph_updates=False`` (`_tree`). Only Variable values come back to the caller."""
+
+    def __init__(
+        self,
+        fun: Callable[P, R],
+        *,
+        in_shardings: Shardings = None,
+        out_shardings: Shardings = None,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None,
+        keep_unused: bool = False,
+        device: Device | None = None,
+        backend: str | None = None,
+        inline: bool = False,
+        compiler_options: dict[str, Any] | None = None,
+        graph: bool = False,
+        graph_updates: bool = False,
+    ):
+        if not callable(fun):
+            raise TypeError(_errors.not_callable("jit", fun))
+        functools.update_wrapper(self, fun)
+        self.graph, self.graph_updates = graph, graph_updates
+        owner = fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
+        self._bound: tuple[Any, ...] = ()
+        if owner is not None:  # a bound method of a graph node: the node is args[0]
+            fun = fun.__func__  # type: ignore[attr-defined]
+            static_argnums, donate_argnums = _shift(static_argnums), _shift(donate_argnums)
+            self._bound = (owner,)
+        self.fun = fun
+        argnums = dict(
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+        )
+        check_argnums("jit", fun, argnums)
+        static = resolve_argnums(fun, static_argnums, static_argnames)
+        donate = resolve_argnums(fun, donate_argnums, donate_argnames)
+        check_overlap("jit", static, donate)
+        check_prefix("jit", "in_shardings", in_shardings, graph)
+        check_prefix("jit", "out_shardings", out_shardings, graph)
+        groups = unique_leaves(in_shardings)
+        if None not in groups:
+            groups.append(None)  # the keyword arguments'
+        arg_prefix = in_shardings
+        if isinstance(in_shardings, (tuple, list)) and static[0]:
+            expanded = list(in_shardings)  # jax's in_shardings skip the static arguments
+            for i in sorted(static[0]):
+                expanded.insert(i, None)
+            arg_prefix = tuple(expanded)
+
+        def keep(name: str, path: tuple[Any, ...]) -> bool:  # donated: comes back
+            key = getattr(path[0], "idx", getattr(path[0], "key", None)) if path else None
+            return key in (donate[0] if name == "args" else donate[1])
+
+        self._call = SimpleCall(
+            "jit", fun, graph, {"args": arg_prefix, "kwargs": None}, groups, keep
+        )
+        options: dict[str, Any] = dict(
+            keep_unused=keep_unused,
+            device=device,
+            backend=backend,
+            inline=inline,
+            compiler_options=compiler_options,
+        )
+        call = self._call
+
+        @functools.wraps(fun)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            return call.inner(*args, **kwargs)
+
+        self._jitted = jax.jit(
+            inner,
+            in_shardings=in_shardings,
+            out_shardings=(out_shardings, groups),
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            **{k: v for k, v in options.items() if v},
+        )
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._call.run(self._jitted, (*self._bound, *args), kwargs)
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs, _ = self._call.prepare((*self._bound, *args), kwargs, not self.graph)
+        out, _ = self._jitted.eval_shape(*args, **kwargs)
+        return self._call.finish(out)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Traces for these arguments; see `jax.stages.Traced`."""
+        args, kwargs, _ = self._call.prepare((*self._bound, *args), kwargs, not self.graph)
+        return SimpleTraced(self._jitted.trace(*args, **kwargs), self._call, self._bound)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
+        return self.trace(*args, **kwargs).lower()
 
 
 def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
@@ -334,6 +451,8 @@ def jit(
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> JitWrapped[P, R]: ...
 @overload
 def jit(
@@ -350,8 +469,26 @@ def jit(
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
-def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
+def jit(
+    fun: Callable[P, R] | None = None,
+    *,
+    in_shardings: Shardings = None,
+    out_shardings: Shardings = None,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    keep_unused: bool = False,
+    device: Device | None = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Any:
     """``jax.jit`` for functions of NNX graph nodes; call-compatible with ``flax.nnx.jit``.
 
     Arguments and outputs may mix arrays and graph nodes (Modules, Variables, Rngs,
@@ -371,6 +508,15 @@ def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
         call that fails at run time leaves the donated Variables holding deleted
         arrays (values lost).
       keep_unused, device, backend, inline, compiler_options: as in ``jax.jit``.
+      graph: as in ``flax.nnx.jit``: True runs the graph protocol above; False is
+        flax's tree mode (graph nodes are pytrees: no shared Variables, no input
+        Variable returned, only Variable values come back, an output node is a new
+        object). None (the default) takes ``nnx.set_graph_mode``'s context, then
+        flax's config, when `jit` is called.
+      graph_updates: as in ``flax.nnx.jit``: with ``graph=True``, False keeps shared
+        references but, as in tree mode, brings back only Variable values (no
+        structure changes, no `StateSharding`). None: ``nnx.set_graph_updates``'s
+        context, then flax's config.
 
     Returns:
       A `JitWrapped`.
@@ -385,6 +531,24 @@ def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
     >>> forward(model, jnp.ones((1, 2))).shape
     (1, 3)
     """
-    if fun is None:
-        return lambda f: JitWrapped(f, **options)
-    return JitWrapped(fun, **options)
+    graph, graph_updates = resolve_mode(graph, graph_updates)  # once, as flax does
+    options: dict[str, Any] = dict(
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        keep_unused=keep_unused,
+        device=device,
+        backend=backend,
+        inline=inline,
+        compiler_options=compiler_options,
+    )
+
+    def make(f: Callable[P, R]) -> JitWrapped[P, R]:
+        if graph and graph_updates:
+            return JitWrapped(f, **options)
+        return SimpleJitWrapped(f, **options, graph=graph, graph_updates=graph_updates)
+
+    return make if fun is None else make(fun)

@@ -1,0 +1,87 @@
+"""Messages of the simple call path: ``graph=False`` (tree mode) or ``graph_updates=False``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._layout import format_message
+
+_FULL = "graph=True, graph_updates=True"
+
+
+def duplicate_variable(transform: str, first: str, second: str) -> str:
+    """A Variable met twice among the inputs and outputs on the simple path."""
+    return format_message(
+        transform,
+        "arguments and outputs",
+        [f"the same Variable is at {first} and at {second}"],
+        f"Rule: with graph=False or graph_updates=False, {transform} treats graph nodes as "
+        "pytrees: a Variable may appear only once among the inputs and outputs (no shared "
+        "references, no input Variable returned).",
+        [
+            "pass each Variable once, and return new objects instead of inputs;",
+            "copy the second occurrence with `nnx.clone(...)` before the call;",
+            f"use the full graph protocol: `nnx_sharding.{transform}(..., {_FULL})` (the default).",
+        ],
+        flax="with graph_updates=False does not support Variable aliasing",
+    )
+
+
+def captured_variable_returned(transform: str, where: str, variable: Any) -> str:
+    """The function returns a Variable it closed over (made outside its trace)."""
+    return format_message(
+        transform,
+        "output",
+        [f"{where} is a {type(variable).__name__} the function closed over"],
+        "Rule: a Variable made outside the function can only be changed, not returned, "
+        "when graph=False or graph_updates=False.",
+        [
+            "pass the Variable (or its module) as an argument instead of closing over it;",
+            "return its value (`v[...]`) instead of the Variable.",
+        ],
+        flax="Cannot return captured Variable",
+    )
+
+
+def state_sharding_simple(transform: str, argument: str, where: str) -> str:
+    """A StateSharding in a prefix on the simple path."""
+    return format_message(
+        transform,
+        argument,
+        [f"a StateSharding at {where or 'the top'}"],
+        "Rule: a StateSharding needs the graph protocol: it cannot be used with "
+        "graph=False or graph_updates=False.",
+        [
+            f"use the full graph protocol: `nnx_sharding.{transform}(..., {_FULL})`;",
+            "give the graph node one sharding (or PartitionSpec) for all its Variables.",
+        ],
+        flax="cannot contain `StateSharding` objects when `graph=False` or `graph_updates=False`",
+    )
+
+
+def variable_in_prefix(transform: str, argument: str, where: str, variable: Any) -> str:
+    """A Variable as a prefix entry."""
+    return format_message(
+        transform,
+        argument,
+        [f"a {type(variable).__name__} at {where or 'the top'}"],
+        "Rule: a prefix gives one sharding for a whole Variable, not a Variable.",
+        ["put the Variable's sharding (or PartitionSpec) at its place instead."],
+        flax="Variables prefixes are not supported",
+    )
+
+
+def node_in_prefix_graph(transform: str, argument: str, where: str, node: Any) -> str:
+    """A graph node as a prefix entry in graph mode."""
+    return format_message(
+        transform,
+        argument,
+        [f"a {type(node).__name__} at {where or 'the top'}"],
+        "Rule: in graph mode a prefix may not hold graph nodes (a tree prefix made with "
+        "`nnx.prefix(..., graph=False)` is for tree mode).",
+        [
+            f"use tree mode: `nnx_sharding.{transform}(..., graph=False)`;",
+            "give the graph node one sharding (or PartitionSpec) for all its Variables.",
+        ],
+        flax="Graph nodes are not allowed as prefixes when graph=True",
+    )
