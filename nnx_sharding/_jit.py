@@ -212,12 +212,9 @@ class SimpleJitWrapped(JitWrapped[P, R]):
             raise TypeError(_errors.not_callable("jit", fun))
         functools.update_wrapper(self, fun)
         self.graph, self.graph_updates = graph, graph_updates
-        owner = fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
+        if inspect.ismethod(fun) and is_node(fun.__self__):
+            raise ValueError(_errors.bound_method_simple("jit", type(fun.__self__).__name__))
         self._bound: tuple[Any, ...] = ()
-        if owner is not None:  # a bound method of a graph node: the node is args[0]
-            fun = fun.__func__  # type: ignore[attr-defined]
-            static_argnums, donate_argnums = _shift(static_argnums), _shift(donate_argnums)
-            self._bound = (owner,)
         self.fun = fun
         argnums = dict(
             static_argnums=static_argnums,

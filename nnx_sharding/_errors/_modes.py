@@ -85,3 +85,21 @@ def node_in_prefix_graph(transform: str, argument: str, where: str, node: Any) -
         ],
         flax="Graph nodes are not allowed as prefixes when graph=True",
     )
+
+
+def bound_method_simple(transform: str, type_name: str) -> str:
+    """A bound method of a graph node given to jit on the simple path."""
+    return format_message(
+        transform,
+        "fun",
+        [f"a bound method of a graph node ({type_name})"],
+        "Rule: with graph=False or graph_updates=False the module a method is bound to "
+        "is not an argument, so its updates could not come back (flax refuses it too).",
+        [
+            f"decorate the method (`@nnx_sharding.{transform}(...)` in the class body);",
+            f"or call `nnx_sharding.{transform}(MyClass.method, ...)(instance, ...)`;",
+            f"or use the full graph protocol: `nnx_sharding.{transform}(..., {_FULL})`, "
+            "which takes bound methods.",
+        ],
+        flax=f"nnx.{transform} does not support bound methods",
+    )

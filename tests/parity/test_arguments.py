@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ._harness import FLAX, OURS, Counter, Pair, X, better_than_flax, mse, parity, run, sgd
+from ._harness import FLAX, MODE, OURS, Counter, Pair, X, better_than_flax, mse, parity, run, sgd
 
 
 def bump(m, x):
@@ -116,6 +116,9 @@ def test_variable_shared_by_two_modules():
 
 
 def test_module_in_a_list_twice_and_a_cycle():
+    if MODE.name == "tree":  # flax's tree mode recurses without end, and so would ours
+        pytest.skip("a reference cycle is not a pytree")
+
     def scenario(impl, log):
         m = Counter()
         m.self_ref = nnx.List([m])  # a cycle through a container
