@@ -30,6 +30,7 @@ from flax.errors import TraceContextError
 from jax.tree_util import keystr
 
 from . import _errors
+from ._sharding import StateSharding
 
 KeyPath: TypeAlias = tuple[Any, ...]
 """A ``jax.tree_util`` key path."""
@@ -56,7 +57,6 @@ def _is_node_or_variable(x: Any) -> bool:
 
 def check_prefix(transform: str, name: str, prefix: Any, graph: bool) -> None:
     """flax's rules for a prefix (in_shardings, out_specs...) on the simple path."""
-    from ._sharding import StateSharding
 
     def visit(path: KeyPath, leaf: Any) -> None:
         where = keystr(path)
@@ -64,6 +64,8 @@ def check_prefix(transform: str, name: str, prefix: Any, graph: bool) -> None:
             raise ValueError(_errors.variable_in_prefix(transform, name, where, leaf))
         if isinstance(leaf, (StateSharding, nnx.StateSharding)):
             raise ValueError(_errors.state_sharding_simple(transform, name, where))
+        if _is_tree_state(leaf):
+            raise ValueError(_errors.graph_prefix_unsupported(transform, name, where))
         if graph and nnx.graph.is_graph_node(leaf):
             raise ValueError(_errors.node_in_prefix_graph(transform, name, where, leaf))
 
@@ -73,9 +75,15 @@ def check_prefix(transform: str, name: str, prefix: Any, graph: bool) -> None:
         is_leaf=lambda x: (
             x is None
             or _is_node_or_variable(x)
+            or _is_tree_state(x)
             or isinstance(x, (StateSharding, nnx.StateSharding))
         ),
     )
+
+
+def _is_tree_state(x: Any) -> bool:
+    """flax's graph-mode tree prefix (``nnx.prefix(..., graph=True)``), by its type."""
+    return type(x).__name__ == "TreeState" and type(x).__module__.startswith("flax.")
 
 
 def unique_leaves(prefix: Any, none_leaf: bool = True) -> list[Any]:
@@ -139,6 +147,36 @@ def from_tree(tree: Any) -> Any:
         return jax.tree.map(
             convert, tree, is_leaf=lambda x: isinstance(x, TreeNode) or _is_node_or_variable(x)
         )
+
+
+def check_consistent(
+    transform: str, argument: str, groups: dict[str, Any], prefixes: dict[str, Any]
+) -> None:
+    """flax's rule for graph mode with a prefix: a Variable reachable from several
+    arguments gets the same prefix entry from each (None counts as an entry)."""
+    seen: dict[int, list[tuple[str, Any]]] = {}
+    for name, tree in groups.items():
+        for base, entry, sub in prefix_of(prefixes[name], tree):
+            for path, leaf in jax.tree_util.tree_leaves_with_path(
+                sub, is_leaf=_is_node_or_variable
+            ):
+                if not _is_node_or_variable(leaf):
+                    continue
+                where = name + keystr(base + tuple(path))
+                for local, value in nnx.iter_graph(leaf):
+                    if isinstance(value, nnx.Variable):
+                        site = where + "".join(f".{p}" for p in local)
+                        seen.setdefault(id(value), []).append((site, entry))
+    conflicts = []
+    for sites in seen.values():
+        entries = [e for _, e in sites]
+        if any(e is not entries[0] and e != entries[0] for e in entries[1:]):
+            conflicts.append(
+                "one Variable gets "
+                + ", ".join(f"{e!r} as {site}" for site, e in dict(sites).items())
+            )
+    if conflicts:
+        raise ValueError(_errors.aliased_prefixes_simple(transform, argument, conflicts))
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,6 +335,7 @@ class SimpleCall:
         self.prefixes = prefixes
         self.groups = groups
         self.keep = keep
+        self.in_name = "in_shardings" if transform == "jit" else "in_specs"
 
     def inner(self, *args: Any, **kwargs: Any) -> tuple[Any, list[Updates]]:
         """The function jax traces: the user's, on copies, returning the updates too."""
@@ -317,6 +356,9 @@ class SimpleCall:
     ) -> tuple[tuple[Any, ...], dict[str, Any], dict[tuple[str, KeyPath], nnx.Variable]]:
         """The arguments jax gets, and the caller's Variables by path."""
         if self.graph:
+            if self.prefixes["args"] is not None:
+                inputs = {"args": args, "kwargs": kwargs}
+                check_consistent(self.transform, self.in_name, inputs, self.prefixes)
             args, kwargs = to_tree((args, kwargs))
         variables = check_aliases(self.transform, {"args": args, "kwargs": kwargs}) if check else {}
         return args, kwargs, variables

@@ -103,3 +103,39 @@ def bound_method_simple(transform: str, type_name: str) -> str:
         ],
         flax=f"nnx.{transform} does not support bound methods",
     )
+
+
+def graph_prefix_unsupported(transform: str, argument: str, where: str) -> str:
+    """flax's graph-mode tree prefix (``nnx.prefix(..., graph=True)``)."""
+    return format_message(
+        transform,
+        argument,
+        [f"a prefix made by `nnx.prefix(..., graph=True)` at {where or 'the top'}"],
+        "Rule: nnx_sharding takes a prefix of a graph node's Variables as a StateSharding "
+        "(graph=True, graph_updates=True) or as a tree prefix in tree mode (graph=False); "
+        "flax's graph-mode tree prefix is not supported.",
+        [
+            f"use the full graph protocol, `nnx_sharding.{transform}(..., {_FULL})`, with "
+            "`nnx_sharding.StateSharding(rules)` at that place;",
+            f"or tree mode, `nnx_sharding.{transform}(..., graph=False)`, with "
+            "`nnx.prefix(model, rules, graph=False)`;",
+            "or give the graph node one sharding (or PartitionSpec) for all its Variables.",
+        ],
+    )
+
+
+def aliased_prefixes_simple(transform: str, argument: str, conflicts: list[str]) -> str:
+    """A shared Variable given two prefix entries, graph mode without graph updates."""
+    return format_message(
+        transform,
+        argument,
+        conflicts,
+        "Rule: with graph_updates=False, a Variable reachable from several arguments must "
+        "get the same entry from each of them (None counts as an entry).",
+        [
+            "give every argument that reaches the Variable the same entry;",
+            f"or use the full graph protocol, `nnx_sharding.{transform}(..., {_FULL})`, "
+            "where None leaves the shared Variable to its other entry.",
+        ],
+        flax="Inconsistent aliasing detected",
+    )

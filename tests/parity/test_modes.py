@@ -524,3 +524,62 @@ def test_value_updates_match_numpy():
     want = np.asarray(m.linear(X))
     np.testing.assert_allclose(np.asarray(f(m, X)), want, rtol=1e-6)
     assert int(m.calls[...]) == 1
+
+
+# 6. prefixes of shared Variables, and what ours does differently (docs/migrating.md)
+
+
+@pytest.mark.parametrize("entries", ["different", "same", "one_none"])
+def test_shared_variable_given_two_prefix_entries(entries):
+    s1, s2 = NamedSharding(mesh8(), P("x")), NamedSharding(mesh8(), P())
+    shardings = {"different": (s1, s2), "same": (s1, s1), "one_none": (s1, None)}[entries]
+
+    def scenario(impl, log):
+        a = nnx.Dict(w=nnx.Param(jnp.arange(8.0)))
+        b = nnx.Dict(w=a.w)
+        f = impl.jit(
+            lambda a, b: a.w[...] + b.w[...], in_shardings=shardings, **MODES["no_updates"]
+        )
+        for i in range(2):
+            out = log.raises(f"call{i}", f, a, b)
+            if out is not None:
+                log.sharding(f"sharding{i}", out)
+
+    parity(scenario)
+
+
+@pytest.mark.parametrize("kw", [MODES["no_updates"], MODES["tree"]], ids=["no_updates", "tree"])
+def test_donated_by_name_passed_positionally_keeps_its_value(kw):
+    """flax donates the buffer (jax resolves the name) but does not write the new one
+    back: the Variable is left holding a deleted array. Ours writes it back."""
+    v, w = nnx.Param(jnp.array(1.0)), nnx.Param(jnp.array(2.0))
+    flax_f = nnx.jit(lambda a, b: a[...] + b[...], donate_argnames="a", **kw)
+    assert float(flax_f(v, w)) == 3.0
+    assert v.get_raw_value().is_deleted()  # flax's data loss
+    v = nnx.Param(jnp.array(1.0))
+    f = nnx_sharding.jit(lambda a, b: a[...] + b[...], donate_argnames="a", **kw)
+    for _ in range(3):
+        assert float(f(v, w)) == 3.0
+        assert not v.get_raw_value().is_deleted()
+        assert float(v[...]) == 1.0
+
+
+def test_graph_mode_tree_prefix_is_refused_with_its_fixes():
+    if not hasattr(nnx, "prefix"):
+        pytest.skip("nnx.prefix is new in flax 0.12.8")
+    rules = {...: NamedSharding(mesh8(), P())}
+    prefix = nnx.prefix(nnx.Linear(2, 8, rngs=nnx.Rngs(0)), rules, graph=True)
+    with pytest.raises(ValueError, match=r"nnx.prefix\(\.\.\., graph=True\)` at \[0\]"):
+        nnx_sharding.jit(lambda m: m, in_shardings=(prefix,), **MODES["no_updates"])
+    # the fixes it gives work
+    model = nnx.Linear(2, 8, rngs=nnx.Rngs(0))
+    full = nnx_sharding.jit(
+        lambda m: m.kernel[...], in_shardings=(nnx_sharding.StateSharding(rules),)
+    )
+    tree = nnx_sharding.jit(
+        lambda m: m.kernel[...],
+        in_shardings=(nnx.prefix(model, rules, graph=False),),
+        graph=False,
+    )
+    np.testing.assert_array_equal(full(model), model.kernel[...])
+    np.testing.assert_array_equal(tree(model), model.kernel[...])
