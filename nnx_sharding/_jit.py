@@ -228,6 +228,13 @@ class SimpleJitWrapped(JitWrapped[P, R]):
         check_overlap("jit", static, donate)
         check_prefix("jit", "in_shardings", in_shardings, graph)
         check_prefix("jit", "out_shardings", out_shardings, graph)
+        try:  # how `export` reads this function's arguments (as in the graph mode)
+            in_prefix, out_prefix = prefixes("jit", in_shardings, out_shardings, static[0])
+        except (TypeError, ValueError):  # a tree prefix of a graph node: not exported
+            in_prefix = out_prefix = None
+        self._spec = CallSpec(
+            "jit", *static, *donate, in_shardings=in_prefix, out_shardings=out_prefix
+        )
         groups = unique_leaves(in_shardings)
         if None not in groups:
             groups.append(None)  # the keyword arguments'
