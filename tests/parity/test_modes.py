@@ -583,3 +583,38 @@ def test_graph_mode_tree_prefix_is_refused_with_its_fixes():
     )
     np.testing.assert_array_equal(full(model), model.kernel[...])
     np.testing.assert_array_equal(tree(model), model.kernel[...])
+
+
+# 7. when the mode is decided: when jit/shard_map is called, as flax decides it
+
+
+@pytest.mark.parametrize("where", ["made_inside", "called_inside", "factory_inside"])
+def test_mode_is_read_from_the_context_when_jit_is_called(where):
+    def grow(m):
+        m.calls[...] += 1
+        m.extra = nnx.Param(jnp.ones(()))
+        return m.calls[...]
+
+    def scenario(impl, log):
+        m = Counter()
+        if where == "made_inside":
+            with nnx.set_graph_mode(False):
+                f = impl.jit(grow)
+        elif where == "factory_inside":
+            with nnx.set_graph_mode(False):
+                decorate = impl.jit(donate_argnums=())
+            f = decorate(grow)
+        else:
+            f = impl.jit(grow)
+        for i in range(2):
+            if where == "called_inside":
+                with nnx.set_graph_mode(False):
+                    log.value(f"out{i}", f(m))
+            else:
+                log.value(f"out{i}", f(m))
+            log.fact(f"extra{i}", hasattr(m, "extra"))
+            if hasattr(m, "extra"):
+                del m.extra
+        log.state("m", m)
+
+    parity(scenario)
