@@ -618,3 +618,75 @@ def test_mode_is_read_from_the_context_when_jit_is_called(where):
         log.state("m", m)
 
     parity(scenario)
+
+
+# 8. shard_map: Variables as arguments, States of specs, shared Variables
+
+
+@modes
+def test_shard_map_variables_with_their_specs(kw):
+    def scenario(impl, log):
+        w = nnx.Param(jnp.arange(32.0).reshape(4, 8))
+        b = nnx.Param(jnp.ones(8))
+        count = nnx.BatchStat(jnp.array(0))
+
+        @impl.shard_map(mesh=mesh8(), in_specs=(P(None, "x"), P(), P()), out_specs=P(), **kw)
+        def f(w, b, count):
+            count[...] += 1
+            return jnp.array(w.shape[1]) + b[...].sum()
+
+        log.value("out", f(w, b, count))
+        log.value("values", (w[...], b[...], count[...]))
+        log.sharding("shardings", (w[...], b[...], count[...]))
+
+    parity(scenario)
+
+
+@modes
+def test_shard_map_state_of_specs(kw):
+    def scenario(impl, log):
+        m = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(m)
+        specs = nnx.State({"kernel": P(None, "x"), "bias": P()})
+
+        @impl.shard_map(mesh=mesh8(), in_specs=(specs,), out_specs=P(), **kw)
+        def f(s):
+            m = nnx.merge(graphdef, s)
+            return jnp.array(m.kernel.shape[1])
+
+        log.value("out", f(state))
+
+    parity(scenario)
+
+
+@modes
+def test_shard_map_variable_shared_by_two_modules(kw):
+    def scenario(impl, log):
+        v = nnx.Param(jnp.array(1.0))
+        c1, c2 = nnx.Dict(v=v), nnx.Dict(v=v)
+
+        @impl.shard_map(mesh=mesh8(), in_specs=(P(), P(), P()), out_specs=P(), **kw)
+        def f(c1, c2, x):
+            c1.v[...] += x
+            return c1.v[...] + c2.v[...]
+
+        log.raises("call", f, c1, c2, jnp.array(1.0))
+        log.value("v", v[...])
+
+    parity(scenario)
+
+
+def test_shard_map_shared_variable_given_two_specs():
+    def scenario(impl, log):
+        v = nnx.Param(jnp.arange(8.0))
+        f = impl.shard_map(
+            lambda a, b: (a[...] + b[...]).sum(),
+            mesh=mesh8(),
+            in_specs=(P(), P("x")),
+            out_specs=P(),
+            check_vma=False,
+            **MODES["no_updates"],
+        )
+        log.raises("call", f, v, v)
+
+    parity(scenario)
