@@ -21,6 +21,7 @@ from ._graph import (
     checked_on_fast_calls,
     chunks,
     merge_inputs,
+    partition_args,
     snapshots,
     split_inner,
     value_of,
@@ -277,7 +278,24 @@ class SimpleJitWrapped(JitWrapped[P, R]):
         )
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._spec.static_argnums or self._spec.static_argnames:
+            self._check_statics(args, kwargs)
         return self._call.run(self._jitted, (*self._bound, *args), kwargs)
+
+    def _check_statics(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A static graph node or unhashable value, named as the graph mode names it."""
+        _, _, _, statics = partition_args(self._spec, args, kwargs)
+        for key, value in statics:
+            name = f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
+            for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_node):
+                if is_node(leaf) or isinstance(leaf, nnx.Variable):
+                    kind = type(leaf).__name__
+                    raise ValueError(_errors.static_graph_node("jit", name, kind))
+            try:
+                hash(value)
+            except TypeError as e:
+                kind = type(value).__name__
+                raise ValueError(_errors.bad_static("jit", name, kind, str(e))) from None
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
