@@ -690,3 +690,25 @@ def test_shard_map_shared_variable_given_two_specs():
         log.raises("call", f, v, v)
 
     parity(scenario)
+
+
+def test_wrappers_of_both_modes_on_one_model_keep_their_semantics():
+    """One model called in turn by a graph-mode and a tree-mode jit of one function: each
+    call has its own mode's semantics (the graph mode's cached split included)."""
+
+    def grow(m, x):
+        m.calls[...] += 1
+        if hasattr(m, "extra"):
+            m.extra[...] += 1.0
+        else:
+            m.extra = nnx.Param(jnp.zeros(()))
+        return m(x)
+
+    def scenario(impl, log):
+        m = Counter()
+        full, tree = impl.jit(grow), impl.jit(grow, graph=False)
+        for i, f in enumerate([full, tree, full, full, tree, tree, full]):
+            log.value(f"y{i}", f(m, X))
+            log.state(f"m{i}", m)
+
+    parity(scenario)
