@@ -65,7 +65,7 @@ from ._sharding import (
     is_prefix_leaf,
     prefixes,
 )
-from ._tree import SimpleCall, check_prefix, resolve_mode, unique_leaves
+from ._tree import SimpleCall, SimpleTraced, check_prefix, resolve_mode, unique_leaves
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -527,3 +527,17 @@ class SimpleShardMapFn(ShardMapFn[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._call.run(self.inner, args, kwargs)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs, _ = self._call.prepare(args, kwargs, not self.graph)
+        out, _ = jax.eval_shape(self.inner, *args, **kwargs)
+        return self._call.finish(out)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Traces for these arguments (under ``jax.jit``); see `jax.stages.Traced`."""
+        args, kwargs, _ = self._call.prepare(args, kwargs, not self.graph)
+        return SimpleTraced(jax.jit(self.inner).trace(*args, **kwargs), self._call, ())
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
+        return self.trace(*args, **kwargs).lower()

@@ -712,3 +712,22 @@ def test_wrappers_of_both_modes_on_one_model_keep_their_semantics():
             log.state(f"m{i}", m)
 
     parity(scenario)
+
+
+@modes
+def test_shard_map_stages_of_ours_match_its_calls(kw):
+    """flax's simple shard_map has no stages; ours has them, with the call's results."""
+
+    def fwd(m, x):
+        m.calls[...] += 1
+        return m(x)
+
+    m, ref = Counter(din=4, dout=3), Counter(din=4, dout=3)
+    f = nnx_sharding.shard_map(fwd, mesh=mesh8(), in_specs=(P(), P("x")), out_specs=P("x"), **kw)
+    shape = f.eval_shape(m, X8)
+    assert (shape.shape, int(m.calls[...])) == ((8, 3), 0)
+    compiled = f.lower(m, X8).compile()
+    assert compiled.out_tree == jax.tree.structure(X8)
+    for i in range(1, 3):
+        np.testing.assert_allclose(np.asarray(compiled(m, X8)), np.asarray(f(ref, X8)), 1e-6)
+        assert int(m.calls[...]) == int(ref.calls[...]) == 2 * i  # fwd and Counter count
