@@ -163,7 +163,7 @@ def check_consistent(
                 if not _is_node_or_variable(leaf):
                     continue
                 where = name + keystr(base + tuple(path))
-                for local, value in nnx.iter_graph(leaf):
+                for local, value in nnx.iter_graph(leaf, graph=True):
                     if isinstance(value, nnx.Variable):
                         site = where + "".join(f".{p}" for p in local)
                         seen.setdefault(id(value), []).append((site, entry))
