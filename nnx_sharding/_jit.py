@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
@@ -10,6 +11,10 @@ import jax
 from flax import nnx
 
 from . import _errors
+from ._argnums import _shift as _shift
+from ._argnums import check_argnums as check_argnums
+from ._argnums import check_overlap as check_overlap
+from ._argnums import resolve_argnums as resolve_argnums
 from ._call import CachedCall
 from ._graph import (
     CallPlan,
@@ -20,6 +25,7 @@ from ._graph import (
     checked_on_fast_calls,
     chunks,
     merge_inputs,
+    partition_args,
     snapshots,
     split_inner,
     value_of,
@@ -35,80 +41,19 @@ from ._sharding import (
     prefixes,
     variable_shardings,
 )
+from ._tree import (
+    SimpleCall,
+    SimpleTraced,
+    check_prefix,
+    resolve_mode,
+    unique_leaves,
+)
 from ._types import Device
 
 P = ParamSpec("P")
 R = TypeVar("R")
 Shardings: TypeAlias = Any
 """A pytree prefix of shardings, PartitionSpecs, `StateSharding`s and Nones."""
-
-
-def _as_tuple(x: int | str | Iterable[Any] | None) -> tuple[Any, ...]:
-    if x is None:
-        return ()
-    return (x,) if isinstance(x, (int, str)) else tuple(x)
-
-
-def _shift(argnums: int | Sequence[int] | None) -> tuple[int, ...]:
-    """A bound method's argnums as positions of its function, ``self`` first."""
-    return tuple(n + 1 if n >= 0 else n for n in _as_tuple(argnums))
-
-
-def resolve_argnums(
-    fun: Callable[..., Any],
-    argnums: int | Sequence[int] | None,
-    argnames: str | Iterable[str] | None,
-) -> tuple[frozenset[int], frozenset[str]]:
-    """Completes positions from names and names from positions, as ``jax.jit`` does."""
-    nums, names = set(_as_tuple(argnums)), set(_as_tuple(argnames))
-    try:
-        params = list(inspect.signature(fun).parameters.values())
-    except (TypeError, ValueError):
-        return frozenset(nums), frozenset(names)
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if any(p.kind is p.VAR_POSITIONAL for p in params) is False:
-        nums = {n % len(positional) if n < 0 and positional else n for n in nums}
-    nums |= {positional.index(n) for n in names if n in positional}
-    names |= {positional[i] for i in nums if 0 <= i < len(positional)}
-    return frozenset(nums), frozenset(names)
-
-
-def check_argnums(transform: str, fun: Callable[..., Any], options: dict[str, Any]) -> None:
-    """Validates ``static_argnums`` etc. against ``fun``'s signature, as ``jax.jit`` does."""
-    try:
-        params = list(inspect.signature(fun).parameters.values())
-    except (TypeError, ValueError):
-        return
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    keywords = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    n = len(positional)
-    for kind in ("static", "donate"):
-        name = f"{kind}_argnums"
-        nums = _as_tuple(options.get(name))
-        if not any(p.kind is p.VAR_POSITIONAL for p in params):
-            if bad := [i for i in nums if not -n <= i < n]:
-                raise ValueError(_errors.argnums_out_of_range(transform, name, bad, positional))
-        name = f"{kind}_argnames"
-        names = _as_tuple(options.get(name))
-        if bad := [a for a in names if a in positional and a not in keywords]:
-            why = "a positional-only parameter"
-            raise ValueError(_errors.unknown_argnames(transform, name, bad, keywords, why))
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            if bad := [a for a in names if a not in keywords]:
-                why = "not a parameter of the function"
-                raise ValueError(_errors.unknown_argnames(transform, name, bad, keywords, why))
-
-
-def check_overlap(
-    transform: str,
-    static: tuple[frozenset[int], frozenset[str]],
-    donate: tuple[frozenset[int], frozenset[str]],
-) -> None:
-    """An argument cannot be both static and donated (``jax.jit`` rejects it too)."""
-    # names include the positional ones resolved from numbers: prefer them
-    both = sorted(static[1] & donate[1]) or sorted(static[0] & donate[0])
-    if both:
-        raise ValueError(_errors.static_and_donated(transform, both))
 
 
 class JitWrapped(CachedCall[P, R]):
@@ -176,6 +121,136 @@ class JitWrapped(CachedCall[P, R]):
         if any(plan.donate):
             options["donate_argnums"] = 0
         return jax.jit(make_inner(self.fun, plan), **options)
+
+
+class SimpleJitWrapped(JitWrapped[P, R]):
+    """`JitWrapped` on flax's simple path: ``graph=False`` (tree mode) or
+    ``graph_updates=False`` (`_tree`). Only Variable values come back to the caller."""
+
+    def __init__(
+        self,
+        fun: Callable[P, R],
+        *,
+        in_shardings: Shardings = None,
+        out_shardings: Shardings = None,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None,
+        keep_unused: bool = False,
+        device: Device | None = None,
+        backend: str | None = None,
+        inline: bool = False,
+        compiler_options: dict[str, Any] | None = None,
+        graph: bool = False,
+        graph_updates: bool = False,
+    ):
+        if not callable(fun):
+            raise TypeError(_errors.not_callable("jit", fun))
+        functools.update_wrapper(self, fun)
+        self.graph, self.graph_updates = graph, graph_updates
+        if inspect.ismethod(fun) and is_node(fun.__self__):
+            raise ValueError(_errors.bound_method_simple("jit", type(fun.__self__).__name__))
+        self._bound: tuple[Any, ...] = ()
+        self.fun = fun
+        argnums = dict(
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+        )
+        check_argnums("jit", fun, argnums)
+        static = resolve_argnums(fun, static_argnums, static_argnames)
+        donate = resolve_argnums(fun, donate_argnums, donate_argnames)
+        check_overlap("jit", static, donate)
+        check_prefix("jit", "in_shardings", in_shardings, graph)
+        check_prefix("jit", "out_shardings", out_shardings, graph)
+        try:  # how `export` reads this function's arguments (as in the graph mode)
+            in_prefix, out_prefix = prefixes("jit", in_shardings, out_shardings, static[0])
+        except (TypeError, ValueError):  # a tree prefix of a graph node: not exported
+            in_prefix = out_prefix = None
+        self._spec = CallSpec(
+            "jit", *static, *donate, in_shardings=in_prefix, out_shardings=out_prefix
+        )
+        groups = unique_leaves(in_shardings)
+        if None not in groups:
+            groups.append(None)  # the keyword arguments'
+        arg_prefix = in_shardings
+        if isinstance(in_shardings, (tuple, list)) and static[0]:
+            expanded = list(in_shardings)  # jax's in_shardings skip the static arguments
+            for i in sorted(static[0]):
+                expanded.insert(i, None)
+            arg_prefix = tuple(expanded)
+
+        def keep(name: str, path: tuple[Any, ...]) -> bool:  # donated: comes back
+            key = getattr(path[0], "idx", getattr(path[0], "key", None)) if path else None
+            return key in (donate[0] if name == "args" else donate[1])
+
+        self._call = SimpleCall(
+            "jit", fun, graph, {"args": arg_prefix, "kwargs": None}, groups, keep
+        )
+        options: dict[str, Any] = dict(
+            keep_unused=keep_unused,
+            device=device,
+            backend=backend,
+            inline=inline,
+            compiler_options=compiler_options,
+        )
+        call = self._call
+
+        @functools.wraps(fun)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            return call.inner(*args, **kwargs)
+
+        self._jitted = jax.jit(
+            inner,
+            in_shardings=in_shardings,
+            out_shardings=(out_shardings, groups),
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            **{k: v for k, v in options.items() if v},
+        )
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._spec.static_argnums or self._spec.static_argnames:
+            self._check_statics(args, kwargs)
+        return self._call.run(self._jitted, (*self._bound, *args), kwargs)
+
+    def _check_statics(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A static graph node or unhashable value, named as the graph mode names it."""
+        _, _, _, statics = partition_args(self._spec, args, kwargs)
+        for key, value in statics:
+            name = f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
+            for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_node):
+                if is_node(leaf) or isinstance(leaf, nnx.Variable):
+                    kind = type(leaf).__name__
+                    raise ValueError(_errors.static_graph_node("jit", name, kind))
+            try:
+                hash(value)
+            except TypeError as e:
+                kind = type(value).__name__
+                raise ValueError(_errors.bad_static("jit", name, kind, str(e))) from None
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs, _ = self._call.prepare((*self._bound, *args), kwargs, not self.graph)
+        out, _ = self._jitted.eval_shape(*args, **kwargs)
+        return self._call.finish(out)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Traces for these arguments; see `jax.stages.Traced`."""
+        args, kwargs, _ = self._call.prepare((*self._bound, *args), kwargs, not self.graph)
+        return SimpleTraced(self._jitted.trace(*args, **kwargs), self._call, self._bound)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
+        return self.trace(*args, **kwargs).lower()
 
 
 def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
@@ -334,6 +409,8 @@ def jit(
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> JitWrapped[P, R]: ...
 @overload
 def jit(
@@ -350,8 +427,26 @@ def jit(
     backend: str | None = None,
     inline: bool = False,
     compiler_options: dict[str, Any] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable[[Callable[P, R]], JitWrapped[P, R]]: ...
-def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
+def jit(
+    fun: Callable[P, R] | None = None,
+    *,
+    in_shardings: Shardings = None,
+    out_shardings: Shardings = None,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    keep_unused: bool = False,
+    device: Device | None = None,
+    backend: str | None = None,
+    inline: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> Any:
     """``jax.jit`` for functions of NNX graph nodes; call-compatible with ``flax.nnx.jit``.
 
     Arguments and outputs may mix arrays and graph nodes (Modules, Variables, Rngs,
@@ -371,6 +466,15 @@ def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
         call that fails at run time leaves the donated Variables holding deleted
         arrays (values lost).
       keep_unused, device, backend, inline, compiler_options: as in ``jax.jit``.
+      graph: as in ``flax.nnx.jit``: True runs the graph protocol above; False is
+        flax's tree mode (graph nodes are pytrees: no shared Variables, no input
+        Variable returned, only Variable values come back, an output node is a new
+        object). None (the default) takes ``nnx.set_graph_mode``'s context, then
+        flax's config, when `jit` is called.
+      graph_updates: as in ``flax.nnx.jit``: with ``graph=True``, False keeps shared
+        references but, as in tree mode, brings back only Variable values (no
+        structure changes, no `StateSharding`). None: ``nnx.set_graph_updates``'s
+        context, then flax's config.
 
     Returns:
       A `JitWrapped`.
@@ -385,6 +489,24 @@ def jit(fun: Callable[P, R] | None = None, **options: Any) -> Any:
     >>> forward(model, jnp.ones((1, 2))).shape
     (1, 3)
     """
-    if fun is None:
-        return lambda f: JitWrapped(f, **options)
-    return JitWrapped(fun, **options)
+    graph, graph_updates = resolve_mode(graph, graph_updates)  # once, as flax does
+    options: dict[str, Any] = dict(
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        keep_unused=keep_unused,
+        device=device,
+        backend=backend,
+        inline=inline,
+        compiler_options=compiler_options,
+    )
+
+    def make(f: Callable[P, R]) -> JitWrapped[P, R]:
+        if graph and graph_updates:
+            return JitWrapped(f, **options)
+        return SimpleJitWrapped(f, **options, graph=graph, graph_updates=graph_updates)
+
+    return make if fun is None else make(fun)

@@ -17,6 +17,7 @@ modules, runs the function and splits the result again:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence, Set
@@ -64,6 +65,7 @@ from ._sharding import (
     is_prefix_leaf,
     prefixes,
 )
+from ._tree import SimpleCall, SimpleTraced, check_prefix, resolve_mode, unique_leaves
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -361,6 +363,8 @@ def shard_map(
     check_vma: bool = True,
     check_rep: bool | None = None,
     auto: Set[AxisName] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> ShardMapFn[P, R]: ...
 @overload
 def shard_map(
@@ -374,6 +378,8 @@ def shard_map(
     check_vma: bool = True,
     check_rep: bool | None = None,
     auto: Set[AxisName] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Callable[[Callable[P, R]], ShardMapFn[P, R]]: ...
 def shard_map(
     f: Callable[P, R] | None = None,
@@ -386,6 +392,8 @@ def shard_map(
     check_vma: bool = True,
     check_rep: bool | None = None,
     auto: Set[AxisName] | None = None,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
 ) -> Any:
     """``jax.shard_map`` for functions of NNX graph nodes.
 
@@ -415,6 +423,12 @@ def shard_map(
       check_vma: as in ``jax.shard_map``.
       check_rep, auto: the deprecated spellings of ``check_vma`` and of the axes
         *not* in ``axis_names`` (from ``jax.experimental.shard_map``).
+      graph, graph_updates: as in ``flax.nnx.shard_map`` and `jit`: unless both are
+        True, flax's simple path (graph nodes as pytrees, only Variable values come
+        back, no `StateSharding`; with ``graph=False`` no shared Variables either),
+        run eagerly as flax runs it. None (the default): the ``nnx.set_graph_mode`` /
+        ``nnx.set_graph_updates`` contexts, then flax's config, when `shard_map` is
+        called.
 
     Returns:
       A `ShardMapFn`.
@@ -452,6 +466,78 @@ def shard_map(
         check_vma=check_vma,
         auto=auto or frozenset(),
     )
-    if f is None:
-        return lambda g: ShardMapFn(g, **options)
-    return ShardMapFn(f, **options)
+    graph, graph_updates = resolve_mode(graph, graph_updates)  # once, as flax does
+    if not (graph and graph_updates):
+        del options["auto"]
+
+        def make(g: Callable[P, R]) -> ShardMapFn[P, R]:
+            return SimpleShardMapFn(g, **options, graph=graph)
+
+    else:
+
+        def make(g: Callable[P, R]) -> ShardMapFn[P, R]:
+            return ShardMapFn(g, **options)
+
+    return make if f is None else make(f)
+
+
+class SimpleShardMapFn(ShardMapFn[P, R]):
+    """`ShardMapFn` on flax's simple path: ``graph=False`` (tree mode) or
+    ``graph_updates=False`` (`_tree`): one eager ``jax.shard_map``, as flax runs it."""
+
+    def __init__(
+        self,
+        fun: Callable[P, R],
+        *,
+        out_specs: Specs,
+        in_specs: Specs | None = None,
+        mesh: Mesh | AbstractMesh | None = None,
+        axis_names: Set[AxisName] = frozenset(),
+        check_vma: bool = True,
+        graph: bool = False,
+    ):
+        if not callable(fun):
+            raise TypeError(_errors.not_callable("shard_map", fun, "out_specs=P()"))
+        if inspect.ismethod(fun) and is_node(fun.__self__):
+            raise ValueError(_errors.bound_method("shard_map", type(fun.__self__).__name__))
+        functools.update_wrapper(self, fun)
+        check_prefix("shard_map", "in_specs", in_specs, graph)
+        check_prefix("shard_map", "out_specs", out_specs, graph)
+        self.fun, self.graph = fun, graph
+        self.mesh = mesh
+        self.axis_names = frozenset(axis_names)
+        self.check_vma = check_vma
+        groups = unique_leaves(in_specs, none_leaf=False)
+        self._call = call = SimpleCall(
+            "shard_map", fun, graph, {"args": in_specs, "kwargs": None}, groups
+        )
+
+        @functools.wraps(fun)
+        def inner(*args: Any) -> Any:
+            return call.inner(*args)
+
+        options: dict[str, Any] = dict(
+            out_specs=(out_specs, groups), axis_names=set(axis_names), check_vma=check_vma
+        )
+        if mesh is not None:
+            options["mesh"] = mesh
+        if in_specs is not None:
+            options["in_specs"] = in_specs
+        self.inner = jax.shard_map(inner, **options)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._call.run(self.inner, args, kwargs)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs, _ = self._call.prepare(args, kwargs, not self.graph)
+        out, _ = jax.eval_shape(self.inner, *args, **kwargs)
+        return self._call.finish(out)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Traces for these arguments (under ``jax.jit``); see `jax.stages.Traced`."""
+        args, kwargs, _ = self._call.prepare(args, kwargs, not self.graph)
+        return SimpleTraced(jax.jit(self.inner).trace(*args, **kwargs), self._call, ())
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
+        return self.trace(*args, **kwargs).lower()

@@ -7,6 +7,7 @@ the cached fast path.
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -682,3 +683,26 @@ def test_failure_inside_leaves_the_callers_module_as_before(warm_calls):
     ref = clone(model)
     assert_close(f(model, X), f.fun(ref, X))  # and the next call works as usual
     assert_close(nnx.state(model), nnx.state(ref))
+
+
+# --- the signature a user reads (inspect.signature, help) is flax's, plus jax's extras
+
+JIT_EXTRAS = {"compiler_options"}  # jax.jit's, which flax's nnx.jit does not take
+
+
+def test_signature_has_every_parameter_of_flax_jit():
+    import pydoc
+
+    ours = inspect.signature(nnx_sharding.jit).parameters
+    theirs = inspect.signature(nnx.jit).parameters
+    assert list(theirs)[0] == list(ours)[0] == "fun"
+    missing = [name for name in theirs if name not in ours]
+    assert missing == [], f"flax's nnx.jit takes {missing}, nnx_sharding.jit does not"
+    assert set(ours) - set(theirs) == JIT_EXTRAS
+    for name in list(theirs)[1:]:
+        assert ours[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        if name in ("graph", "graph_updates", "keep_unused", "inline", "device", "backend"):
+            assert ours[name].default == theirs[name].default, name
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values())
+    text = pydoc.render_doc(nnx_sharding.jit, renderer=pydoc.plaintext)
+    assert all(f"{name}:" in text for name in theirs), text

@@ -525,3 +525,27 @@ def test_a_plain_array_attribute_updated_inside_is_written_back_as_in_flax():
             f(counter)
         counts.append(int(counter.count))
     assert counts == [3, 3]
+
+
+# --- the signature a user reads (inspect.signature, help) is flax's, plus jax's extras
+
+SHARD_MAP_EXTRAS = {"check_rep", "auto"}  # jax.experimental.shard_map's deprecated spellings
+
+
+def test_signature_has_every_parameter_of_flax_shard_map():
+    import inspect
+    import pydoc
+
+    ours = inspect.signature(ns.shard_map).parameters
+    theirs = inspect.signature(nnx.shard_map).parameters
+    assert list(theirs)[0] == list(ours)[0] == "f"
+    missing = [name for name in theirs if name not in ours]
+    assert missing == [], f"flax's nnx.shard_map takes {missing}, nnx_sharding's does not"
+    assert set(ours) - set(theirs) == SHARD_MAP_EXTRAS
+    for name in list(theirs)[1:]:
+        assert ours[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    for name in ("axis_names", "check_vma", "graph", "graph_updates"):
+        assert ours[name].default == theirs[name].default, name
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values())
+    text = pydoc.render_doc(ns.shard_map, renderer=pydoc.plaintext)
+    assert all(f"{name}:" in text for name in theirs), text

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._harness import OURS, X8, mesh8, mesh24, parity
+from ._harness import OURS, X8, full_graph_only, mesh8, mesh24, parity
 
 
 class MLP(nnx.Module):
@@ -243,6 +243,7 @@ def test_structure_change_inside_is_refused_where_flax_applies_it():
     """A documented difference (docs/migrating.md): flax applies it (every device adds
     the same replicated Param); ours refuses it, naming the attribute, and leaves the
     module as it was: inside shard_map each device holds its own shard of a module."""
+    full_graph_only("the other modes bring no structure change back, as flax")
 
     def grow(m):
         m.extra = nnx.Param(jnp.ones(()))
@@ -431,6 +432,7 @@ def test_shard_map_inside_flax_jit_and_flax_shard_map_inside_ours():
 def test_prefix_in_specs_like_the_equivalent_state_sharding():
     # issue 15, B.12: ours with nnx.prefix(...) must do what flax does with the same rules
     # as an nnx.StateSharding; flax's own nnx.shard_map refuses the prefix (ValueError).
+    full_graph_only("a StateSharding, which the other modes refuse")
     rules = {nnx.PathContains("l1"): P(None, "b"), nnx.PathContains("l2"): P("b", None), ...: P()}
 
     def scenario(impl, log):
@@ -453,6 +455,8 @@ def test_prefix_in_specs_like_the_equivalent_state_sharding():
 def test_named_sharding_entries_like_their_specs():
     # ours takes a NamedSharding where a spec goes (its spec is used); flax's nnx.shard_map
     # raises TypeError. Compared with flax given the same rules as PartitionSpecs.
+    full_graph_only("a StateSharding, which the other modes refuse")
+
     def rules(named):
         wrap = (lambda spec: NamedSharding(mesh24(), spec)) if named else (lambda spec: spec)
         return nnx.StateSharding({nnx.PathContains("l1"): wrap(P(None, "b")), ...: wrap(P())})
