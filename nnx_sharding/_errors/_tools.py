@@ -191,18 +191,22 @@ def not_drawable(transform: str, problems: Sequence[str]) -> str:
 # Abstract models, AOT reports and export (issue 6) ---------------------------------------------
 
 
+AOT_COMMAND = "python -m nnx_sharding aot"
+"""The public way to an AOT report, which the `aot_*` messages suggest."""
+
+
+def _mesh_option(axes: dict[str, int]) -> str:
+    """``{'data': 4, 'model': 4}`` as ``--mesh`` takes it, ``data=4,model=4``."""
+    return ",".join(f"{name}={size}" for name, size in axes.items())
+
+
 def aot_unknown_config(transform: str, name: str, known: Sequence[str]) -> str:
     return format_message(
         transform,
         "config",
         [f"no config is named {name!r}"],
-        "Rule: config is a DecoderConfig or the name of one of: "
-        + ", ".join(repr(k) for k in known)
-        + ".",
-        [
-            "use one of those names, e.g. `aot_report('1b', {'data': 2, 'model': 4})`;",
-            "or pass your own `DecoderConfig(...)`.",
-        ],
+        "Rule: the config is the name of one of: " + ", ".join(repr(k) for k in known) + ".",
+        [f"name one of them, e.g. `{AOT_COMMAND} --config tiny`."],
     )
 
 
@@ -213,9 +217,9 @@ def aot_mesh_too_big(transform: str, axes: dict[str, int], size: int, devices: i
         [f"the mesh {axes} needs {size} devices, but jax has {devices}"],
         "Rule: the mesh's axis sizes multiply to at most the number of devices.",
         [
-            "use smaller axes, e.g. `{'data': 2, 'model': 4}` for 8 devices;",
-            "or simulate more CPU devices: `jax.config.update('jax_num_cpu_devices', 8)` "
-            "before jax starts.",
+            f"use the command line, which simulates the {size} CPU devices the mesh needs: "
+            f"`{AOT_COMMAND} --config NAME --devices {size} --mesh {_mesh_option(axes)}`;",
+            f"or its default mesh, data=2,model=4 on 8 devices: `{AOT_COMMAND} --config NAME`.",
         ],
     )
 
@@ -228,7 +232,8 @@ def aot_indivisible(transform: str, config: str, problems: Sequence[str]) -> str
         "Rule: each sharded dimension is a multiple of its mesh axis' size (batch and embed "
         "over 'data', heads, mlp and vocab over 'model').",
         [
-            "use a mesh whose axes divide these sizes, e.g. `{'data': 2, 'model': 4}`;",
+            "use a mesh whose axes divide these sizes, e.g. "
+            f"`{AOT_COMMAND} --config NAME --mesh data=2,model=4`;",
             "or a config with sizes the mesh divides.",
         ],
     )
