@@ -9,7 +9,7 @@ from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
 import jax
 from flax import nnx
 
-from . import _errors
+from . import _errors, _slots
 from ._call import CachedCall
 from ._graph import (
     CallPlan,
@@ -24,6 +24,7 @@ from ._graph import (
     split_inner,
     value_of,
 )
+from ._partial import cached_partial_call
 from ._sharding import (
     ShardingLike,
     StateSharding,
@@ -168,6 +169,14 @@ class JitWrapped(CachedCall[P, R]):
             inline=inline,
             compiler_options=compiler_options,
         )
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        # under nnx.cached_partial: its clones are flattened once (`_partial`)
+        if (cache := _slots.take_static_cache()) is not None and (
+            partial := cached_partial_call(self, cache, args, kwargs)
+        ) is not None:
+            return partial(*args[partial.n_partial :], **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _build(self, plan: CallPlan) -> Callable[..., Any]:
         options: dict[str, Any] = {k: v for k, v in self._jit_options.items() if v}

@@ -17,10 +17,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.tree_util import keystr
 
@@ -47,6 +49,13 @@ _GRAPH_UPDATES = (
     "partial argument would have to reach your objects, but jit_partial flattened them "
     "once and does not walk them again"
 )
+
+
+def _current(context: str) -> bool:
+    """The value of flax's ``nnx.set_graph_mode``/``nnx.set_graph_updates`` context (its
+    config's default outside one); True on a flax without them (graph mode only)."""
+    setting = getattr(nnx, context, None)
+    return True if setting is None else bool(setting.current_value())
 
 
 def _is_variable(x: Any) -> bool:
@@ -105,10 +114,11 @@ class _Split:
         return by_index
 
 
-def _split(partial_args: tuple[Any, ...], prefix: Any) -> _Split:
-    """Splits the partial arguments (graph nodes together: shared Variables stay one)."""
+def _split(partial_args: tuple[Any, ...], prefix: Any, name: str) -> _Split:
+    """Splits the partial arguments (graph nodes together: shared Variables stay one);
+    ``name``: what they are called in messages."""
     keyed, treedef = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=is_node)
-    wheres = [f"partial_args{keystr(kp)}" for kp, _ in keyed]
+    wheres = [f"{name}{keystr(kp)}" for kp, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
     entries: list[Any] = [None] * len(leaves)
     if prefix is not None:
@@ -193,14 +203,18 @@ class JitPartialWrapped(Generic[R]):
         graph_updates: bool | None = None,
         compiler_options: dict[str, Any] | None = None,
         keep_structure: str | None = None,
+        transform: str = TRANSFORM,
+        argument: str = "partial_args",
     ):
+        self._transform = transform
+        self.n_partial = len(partial_args)
         if not callable(fun):
             raise TypeError(_errors.not_callable(TRANSFORM, fun, "model", decorator=False))
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.graph = nnx.set_graph_mode.current_value() if graph is None else graph
+        self.graph = _current("set_graph_mode") if graph is None else graph
         self.graph_updates = (
-            nnx.set_graph_updates.current_value() if graph_updates is None else graph_updates
+            _current("set_graph_updates") if graph_updates is None else graph_updates
         )
         n = len(partial_args)
         if isinstance(in_shardings, (tuple, list)):
@@ -209,7 +223,7 @@ class JitPartialWrapped(Generic[R]):
             partial_prefix, runtime = None, in_shardings
         if not self.graph:
             _check_tree_aliases(partial_args)
-        split = _split(partial_args, partial_prefix)
+        split = _split(partial_args, partial_prefix, argument)
         if bad := [
             str(s)
             for x, s in zip(split.items, split.sites, strict=True)
@@ -220,7 +234,7 @@ class JitPartialWrapped(Generic[R]):
         self._variables = split.variables
         self._constants = split.constants
         self._read = _slots.value_reader()
-        self._trace = trace_state()
+        self._trace: Any = None  # the trace level where writing was last checked allowed
         # per trace (by id of its _Result, which it keeps alive): `_learn`'s answer
         self._traces: dict[int, tuple[_Result, Callable[[Sequence[Leaf]], None], bool]] = {}
         options: dict[str, Any] = dict(
@@ -243,7 +257,9 @@ class JitPartialWrapped(Generic[R]):
                 options["in_shardings"] = (shardings, *runtime)
         elif in_shardings is not None:
             options["in_shardings"] = in_shardings
-        inner = _make_inner(fun, split, self.graph, donated, out_shardings, keep_structure)
+        inner = _make_inner(
+            fun, split, self.graph, donated, out_shardings, keep_structure, transform, argument
+        )
         signature = _inner_signature(fun, n)
         if signature is not None:
             inner.__signature__ = signature  # type: ignore[attr-defined]
@@ -258,18 +274,21 @@ class JitPartialWrapped(Generic[R]):
         _, write, waits = known
         if waits:  # errors of Python callbacks are raised before anything is written
             jax.block_until_ready((written, payload))
-        if written and trace_state() != self._trace:  # inside an outer jax transform
-            split = self._split
-            index = [i for i, x in enumerate(split.items) if _is_variable(x)]
-            check_writable(
-                TRANSFORM,
-                [self._variables[i] for i in result.written],
-                [split.sites[index[i]] for i in result.written],
-            )
+        if written and (level := trace_state()) != self._trace:  # a new trace level:
+            self._check_writable()  # may its Variables be written? (flax's rule)
+            self._trace = level
         write(written)
         if result.out_graphdefs is None:  # no graph node in the output
             return jax.tree_util.tree_unflatten(result.out_treedef, payload)
         return _rebuild(result, payload, self._split.leaves)
+
+    def _check_writable(self) -> None:
+        """Raises flax's TraceContextError, before anything is written, if a Variable of
+        the partial arguments cannot be written at the current trace level (a call
+        inside an outer jax transform, for Variables created outside it)."""
+        split = self._split
+        sites = [s for x, s in zip(split.items, split.sites, strict=True) if _is_variable(x)]
+        check_writable(self._transform, self._variables, sites)
 
     def _learn(
         self, result: _Result, partial: list[Leaf], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -323,6 +342,8 @@ def _make_inner(
     donated: bool,
     out_shardings: Any,
     keep_structure: str | None,
+    transform: str,
+    argument: str,
 ) -> Callable[..., Any]:
     """The function jax traces: ``(partial list, *args, **kwargs) -> (_Result, written,
     output leaves)``. ``keep_structure``: None to drop a structure change the function
@@ -357,7 +378,7 @@ def _make_inner(
             if changed or structures is None:
                 raise ValueError(
                     _errors.structure_changed(
-                        TRANSFORM, "partial_args", changed or node_wheres, keep_structure, TRANSFORM
+                        transform, argument, changed or node_wheres, keep_structure, transform
                     )
                 )
         after = [v.get_raw_value() for v in inner_vars]
@@ -374,7 +395,7 @@ def _make_inner(
             if sharding is not None and isinstance(value, jax.Array):
                 value = jax.lax.with_sharding_constraint(value, sharding)
             values.append(value)
-        result, payload = _split_output(out, nodes, inner_vars, graph, out_prefix)
+        result, payload = _split_output(out, nodes, inner_vars, graph, out_prefix, transform)
         return dataclasses.replace(result, written=written), values, payload
 
     inner.__name__ = getattr(fun, "__name__", "fun")
@@ -383,7 +404,12 @@ def _make_inner(
 
 
 def _split_output(
-    out: Any, nodes: list[Any], inputs: list[nnx.Variable[Any]], graph: bool, prefix: Any
+    out: Any,
+    nodes: list[Any],
+    inputs: list[nnx.Variable[Any]],
+    graph: bool,
+    prefix: Any,
+    transform: str,
 ) -> tuple[_Result, list[Leaf]]:
     """The output as flat leaves (graph nodes split together) and its `_Result`.
 
@@ -395,14 +421,14 @@ def _split_output(
     entries: list[Any] = [None] * len(leaves)
     if prefix is not None:
         entries = broadcast_prefix(
-            TRANSFORM, "out_shardings", prefix, out, lambda kp: f"output{keystr(kp)}"
+            transform, "out_shardings", prefix, out, lambda kp: f"output{keystr(kp)}"
         )
     sources = [
         next((k for k, n in enumerate(nodes) if n is leaf), None) if is_node(leaf) else None
         for leaf in leaves
     ]
     table = variable_shardings(
-        TRANSFORM,
+        transform,
         "out_shardings",
         [
             (w, x, e)
@@ -440,7 +466,7 @@ def _split_output(
                     value = jax.lax.with_sharding_constraint(value, sharding)
                 payload.append(value)
     if aliased:
-        raise ValueError(_errors.partial_output_aliases(aliased))
+        raise ValueError(_errors.partial_output_aliases(aliased, transform))
     returned = None if all(s is None for s in sources) else tuple(sources)
     if all(g is None for g in graphdefs) and returned is None:
         return _Result((), treedef, None, tuple(sizes), None), payload
@@ -539,3 +565,96 @@ def _runtime_where(keypath: tuple[Any, ...]) -> str:
     """A key path of a call's ``(args, kwargs)`` as ``args[0].w`` / ``kwargs['x']``."""
     head = "args" if keypath[0].idx == 0 else "kwargs"
     return head + keystr(keypath[1:])
+
+
+# ----------------------------------------------------------------------------- cached_partial
+MAX_CACHED = 8
+"""`cached_partial_call`'s partials per jitted function (each holds its clones)."""
+
+_KEEP = (
+    "nnx.cached_partial flattened these arguments once, and a structure change made "
+    "inside cannot reach your objects (flax raises too)"
+)
+
+
+def cached_partial_call(
+    wrapped: Any, cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> JitPartialWrapped[Any] | None:
+    """For ``nnx.cached_partial(jit(f), *nodes)(*args)``: a `JitPartialWrapped` over the
+    leading arguments that are cached_partial's clones (``cache``'s keys), made once;
+    None when the call must take `jit`'s full path: no clone leads, a graph node or
+    Variable among the other arguments, a clone that is static or donated apart from
+    the others, shardings given, or a bound method.
+
+    ``wrapped`` is a `jit` `JitWrapped` (its ``fun``, ``_spec``, ``_bound`` and
+    ``_jit_options``). The clones are nothing but cached_partial's (it made them), so
+    their structure is fixed: the `jit_partial` contract holds by construction.
+    """
+    last = wrapped.__dict__.get("_cached_partial_last")
+    if last is not None and last[0] is cache:  # the same cached_partial as last time
+        clones, partial = last[1], last[2]
+        k = len(clones)
+        if len(args) >= k and all(map(operator.is_, clones, args)):
+            return partial if _plain(args[k:], kwargs) else None
+    k = 0
+    while k < len(args) and is_node(args[k]) and args[k] in cache:
+        k += 1
+    if k == 0 or not _plain(args[k:], kwargs):
+        return None
+    table: dict[tuple[Any, ...], Any] = wrapped.__dict__.setdefault("_cached_partials", {})
+    key = (id(cache), *map(id, args[:k]))
+    found = table.get(key)
+    if found is not None and found[0] is cache:
+        partial = found[1]
+    else:
+        partial = _from_jit(wrapped, args[:k])
+        table.pop(key, None)
+        table[key] = (cache, partial)
+        while len(table) > MAX_CACHED:
+            table.pop(next(iter(table)))
+    if partial is not None:
+        wrapped.__dict__["_cached_partial_last"] = (cache, tuple(args[:k]), partial)
+    return partial
+
+
+_ARRAYS = (jax.Array, np.ndarray, int, float, complex, bool)
+
+
+def _plain(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the arguments after the clones hold no graph node and no Variable."""
+    if not kwargs and all(isinstance(a, _ARRAYS) and not is_node(a) for a in args):
+        return True
+    rest = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_node)
+    return not any(is_node(x) or _is_variable(x) for x in rest)
+
+
+def _from_jit(wrapped: Any, clones: tuple[Any, ...]) -> JitPartialWrapped[Any] | None:
+    """``wrapped``'s options as `jit_partial` counts them (``0``: the clones), or None."""
+    spec, k = wrapped._spec, len(clones)
+    if wrapped._bound or spec.in_shardings is not None or spec.out_shardings is not None:
+        return None
+    if any(i < k for i in spec.static_argnums):
+        return None
+    donated = {i for i in spec.donate_argnums if i < k}
+    if donated and donated != set(range(k)):  # one list: donated together or not at all
+        return None
+    try:
+        params = list(inspect.signature(wrapped.fun).parameters.values())
+        bound_names = {p.name for p in params[:k]}
+    except (TypeError, ValueError):
+        bound_names = set()
+    shift = lambda nums: tuple(i - k + 1 for i in sorted(nums) if i >= k)  # noqa: E731
+    return JitPartialWrapped(
+        wrapped.fun,
+        clones,
+        static_argnums=shift(spec.static_argnums),
+        static_argnames=tuple(n for n in spec.static_argnames if n not in bound_names),
+        donate_argnums=(0,) * bool(donated) + shift(spec.donate_argnums),
+        donate_argnames=tuple(n for n in spec.donate_argnames if n not in bound_names),
+        graph=True,
+        graph_updates=True,
+        keep_structure=_KEEP,
+        transform="jit",
+        argument="args",
+        **wrapped._jit_options,
+    )

@@ -30,6 +30,7 @@ from operator import attrgetter, is_
 from typing import Any
 
 from flax import nnx
+from flax.nnx import graphlib as _graphlib
 
 _METADATA = "_var_metadata"
 _VALUE = "_raw_value"
@@ -118,3 +119,22 @@ def writer(variables: Sequence[nnx.Variable[Any]]) -> Callable[[Sequence[Any]], 
             set_value(value)
 
     return write
+
+
+_GRAPH_CONTEXT = _graphlib.GRAPH_CONTEXT  # a thread-local: one per thread
+
+
+def take_static_cache() -> Any:
+    """The split ``nnx.cached_partial`` prepared for the call now being made (flax's
+    ``GRAPH_CONTEXT.tmp_static_cache``: a mapping keyed by its cached graph nodes), taken
+    so that no flax context takes it too; None when there is none.
+
+    ``nnx.cached_partial(f, *nodes)`` calls ``f(*clones, *args)`` with it set, and
+    raises afterwards unless a context took it. `_partial.cached_partial_call` uses it
+    to know which leading arguments are the clones: their structure is fixed (nothing
+    else holds them), so they are flattened once, as `jit_partial` flattens.
+    """
+    cache = getattr(_GRAPH_CONTEXT, "tmp_static_cache", None)
+    if cache is not None:
+        _GRAPH_CONTEXT.tmp_static_cache = None
+    return cache

@@ -82,18 +82,28 @@ def test_cached_partial_trains_like_a_plain_call(jit):
     assert results[1][0][0] > results[1][0][2]  # it trained
 
 
-def test_cached_partial_takes_the_fast_path(monkeypatch):
-    from nnx_sharding import _call
+def test_cached_partial_flattens_its_clones_once(monkeypatch):
+    """Under ``nnx.cached_partial`` the cached clones are flattened once, as jit_partial
+    flattens (`_partial.cached_partial_call`): no call walks the graphs (`split_call`)."""
+    from nnx_sharding import _call, _partial
 
-    splits = []
+    splits, partials = [], []
     original = _call.split_call
     monkeypatch.setattr(_call, "split_call", lambda *a: splits.append(1) or original(*a))
+    made = _partial._from_jit
+    monkeypatch.setattr(_partial, "_from_jit", lambda *a: partials.append(1) or made(*a))
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     call = nnx.cached_partial(nnx_sharding.jit(_step), model, optimizer)
     for _ in range(4):
         call(X)
-    assert len(splits) == 1
+    assert len(splits) == 0 and len(partials) == 1
+    # a graph node among the other arguments: jit's full path (then its fast path)
+    step = nnx_sharding.jit(lambda model, optimizer, x: _step(model, optimizer, x))
+    call = nnx.cached_partial(step, model)
+    for _ in range(4):
+        call(optimizer, X)
+    assert len(splits) == 1 and len(partials) == 1
 
 
 def test_a_bound_method_passes_its_module_as_an_argument():

@@ -32,14 +32,15 @@ def partial_aliases(groups: Sequence[tuple[str, Sequence[str]]]) -> str:
     )
 
 
-def partial_output_aliases(paths: Sequence[str]) -> str:
+def partial_output_aliases(paths: Sequence[str], transform: str = "jit_partial") -> str:
     """An output is a Variable of the partial arguments, or a Variable is output twice."""
     return format_message(
-        "jit_partial",
+        transform,
         "output",
         [f"a Variable of the partial arguments (or one output twice) at {p}" for p in paths],
-        "Rule: jit_partial writes only the partial arguments' Variables back; a Variable "
-        "returned as an output would come back as a second, detached copy.",
+        "Rule: the partial arguments (bound once) are written back by their Variables; "
+        "a Variable of theirs returned as an output would come back as a second, detached "
+        "copy. A whole partial argument may be returned: it comes back as itself.",
         [
             "return its value instead, e.g. `model.count[...]`;",
             "or read it from the partial argument after the call (it is updated in place).",
