@@ -95,3 +95,22 @@ def test_a_writer_writes_plain_variables_through_the_slots_and_others_through_se
     assert plain[...].tolist() == [2.0, 2.0] and [w.tolist() for w in WRITES] == [[3.0, 3.0]]
     with pytest.raises(ValueError, match="1 values for 2 Variables"):
         _slots.writer([plain, nnx.Param(jnp.zeros(2))])([jnp.ones(2)])
+
+
+def test_take_static_cache_takes_what_cached_partial_prepared():
+    """``nnx.cached_partial`` leaves its split for the next context to take, and raises
+    when none takes it: `take_static_cache` finds it (keyed by the clones) and takes it."""
+    seen = []
+
+    def f(model, x):
+        cache = _slots.take_static_cache()
+        seen.append((cache is not None and model in cache, _slots.take_static_cache()))
+        return x
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    assert nnx.cached_partial(f, model)(1.0) == 1.0  # flax raises had nothing taken it
+    assert seen == [(True, None)]
+    assert _slots.take_static_cache() is None
+    with pytest.raises(ValueError, match="no context consumed it"):
+        nnx.cached_partial(lambda m, x: x, model)(1.0)
+    assert _slots.take_static_cache() is not None  # flax left it there: clear it
