@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 from . import _errors, _slots
+from ._cached_partial import cached_partial_call
 from ._call import CachedCall
 from ._graph import (
     CallPlan,
@@ -24,7 +25,6 @@ from ._graph import (
     split_inner,
     value_of,
 )
-from ._partial import cached_partial_call
 from ._sharding import (
     ShardingLike,
     StateSharding,

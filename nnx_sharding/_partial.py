@@ -17,12 +17,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.tree_util import keystr
 
@@ -58,7 +56,7 @@ def _current(context: str) -> bool:
     return True if setting is None else bool(setting.current_value())
 
 
-def _is_variable(x: Any) -> bool:
+def is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
@@ -94,12 +92,12 @@ class _Split:
     order: list[int] = dataclasses.field(init=False)  # flat leaf -> index in a call's list
 
     def __post_init__(self) -> None:
-        self.variables = [x for x in self.items if _is_variable(x)]
-        self.constants = [x for x in self.items if not _is_variable(x)]
+        self.variables = [x for x in self.items if is_variable(x)]
+        self.constants = [x for x in self.items if not is_variable(x)]
         n_var, k_var, k_const = len(self.variables), 0, 0
         self.order = []
         for x in self.items:
-            if _is_variable(x):
+            if is_variable(x):
                 self.order.append(k_var)
                 k_var += 1
             else:
@@ -154,9 +152,9 @@ def _check_tree_aliases(partial_args: tuple[Any, ...]) -> None:
     """Tree mode: no Variable may be reached through two paths (flax's rule)."""
     paths: dict[int, list[str]] = {}
     kinds: dict[int, str] = {}
-    keyed = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=_is_variable)[0]
+    keyed = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=is_variable)[0]
     for kp, leaf in keyed:
-        if _is_variable(leaf):
+        if is_variable(leaf):
             paths.setdefault(id(leaf), []).append(f"partial_args{keystr(kp)}")
             kinds[id(leaf)] = type(leaf).__name__
     groups = [(kinds[k], p) for k, p in paths.items() if len(p) > 1]
@@ -227,7 +225,7 @@ class JitPartialWrapped(Generic[R]):
         if bad := [
             str(s)
             for x, s in zip(split.items, split.sites, strict=True)
-            if _is_variable(x) and (x.ref or x.hijax)
+            if is_variable(x) and (x.ref or x.hijax)
         ]:
             raise ValueError(_errors.partial_unsupported_variable(bad))
         self._split = split
@@ -287,7 +285,7 @@ class JitPartialWrapped(Generic[R]):
         the partial arguments cannot be written at the current trace level (a call
         inside an outer jax transform, for Variables created outside it)."""
         split = self._split
-        sites = [s for x, s in zip(split.items, split.sites, strict=True) if _is_variable(x)]
+        sites = [s for x, s in zip(split.items, split.sites, strict=True) if is_variable(x)]
         check_writable(self._transform, self._variables, sites)
 
     def _learn(
@@ -350,12 +348,12 @@ def _make_inner(
     makes to a partial argument (flax's jit_partial), else the rule for the error
     raised on one."""
     n_items = len(split.items)
-    variable_index = [i for i, x in enumerate(split.items) if _is_variable(x)]
+    variable_index = [i for i, x in enumerate(split.items) if is_variable(x)]
     out_prefix = accept_flax(out_shardings)
 
     def inner(partial: list[Leaf], *args: Any, **kwargs: Any) -> tuple[_Result, list, list]:
-        keyed = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=_is_variable)[0]
-        if wrong := [_runtime_where(kp) for kp, x in keyed if _is_variable(x)]:
+        keyed = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_variable)[0]
+        if wrong := [_runtime_where(kp) for kp, x in keyed if is_variable(x)]:
             raise ValueError(_errors.partial_runtime_variable(wrong))
         leaves = [partial[split.order[i]] for i in range(n_items)]
         with nnx.merge_context() as ctx:
@@ -365,7 +363,7 @@ def _make_inner(
             inner_items = [
                 item for node in nodes if is_node(node) for item in ctx.flatten(node)[1].leaves
             ]
-        inner_vars = [x for x in inner_items if _is_variable(x)]
+        inner_vars = [x for x in inner_items if is_variable(x)]
         before = [v.get_raw_value() for v in inner_vars]
         metadata = [v.get_metadata() for v in inner_vars]
         structures = snapshots(nodes) if keep_structure is not None else None
@@ -455,7 +453,7 @@ def _split_output(
             sizes.append(len(flat.leaves))
             for path, item in zip(flat.paths, flat.leaves, strict=True):
                 site = where + format_path(tuple(path))
-                if _is_variable(item) and (
+                if is_variable(item) and (
                     id(item) in input_ids or (not graph and id(item) in seen)
                 ):
                     aliased.append(site)
@@ -565,96 +563,3 @@ def _runtime_where(keypath: tuple[Any, ...]) -> str:
     """A key path of a call's ``(args, kwargs)`` as ``args[0].w`` / ``kwargs['x']``."""
     head = "args" if keypath[0].idx == 0 else "kwargs"
     return head + keystr(keypath[1:])
-
-
-# ----------------------------------------------------------------------------- cached_partial
-MAX_CACHED = 8
-"""`cached_partial_call`'s partials per jitted function (each holds its clones)."""
-
-_KEEP = (
-    "nnx.cached_partial flattened these arguments once, and a structure change made "
-    "inside cannot reach your objects (flax raises too)"
-)
-
-
-def cached_partial_call(
-    wrapped: Any, cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> JitPartialWrapped[Any] | None:
-    """For ``nnx.cached_partial(jit(f), *nodes)(*args)``: a `JitPartialWrapped` over the
-    leading arguments that are cached_partial's clones (``cache``'s keys), made once;
-    None when the call must take `jit`'s full path: no clone leads, a graph node or
-    Variable among the other arguments, a clone that is static or donated apart from
-    the others, shardings given, or a bound method.
-
-    ``wrapped`` is a `jit` `JitWrapped` (its ``fun``, ``_spec``, ``_bound`` and
-    ``_jit_options``). The clones are nothing but cached_partial's (it made them), so
-    their structure is fixed: the `jit_partial` contract holds by construction.
-    """
-    last = wrapped.__dict__.get("_cached_partial_last")
-    if last is not None and last[0] is cache:  # the same cached_partial as last time
-        clones, partial = last[1], last[2]
-        k = len(clones)
-        if len(args) >= k and all(map(operator.is_, clones, args)):
-            return partial if _plain(args[k:], kwargs) else None
-    k = 0
-    while k < len(args) and is_node(args[k]) and args[k] in cache:
-        k += 1
-    if k == 0 or not _plain(args[k:], kwargs):
-        return None
-    table: dict[tuple[Any, ...], Any] = wrapped.__dict__.setdefault("_cached_partials", {})
-    key = (id(cache), *map(id, args[:k]))
-    found = table.get(key)
-    if found is not None and found[0] is cache:
-        partial = found[1]
-    else:
-        partial = _from_jit(wrapped, args[:k])
-        table.pop(key, None)
-        table[key] = (cache, partial)
-        while len(table) > MAX_CACHED:
-            table.pop(next(iter(table)))
-    if partial is not None:
-        wrapped.__dict__["_cached_partial_last"] = (cache, tuple(args[:k]), partial)
-    return partial
-
-
-_ARRAYS = (jax.Array, np.ndarray, int, float, complex, bool)
-
-
-def _plain(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the arguments after the clones hold no graph node and no Variable."""
-    if not kwargs and all(isinstance(a, _ARRAYS) and not is_node(a) for a in args):
-        return True
-    rest = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_node)
-    return not any(is_node(x) or _is_variable(x) for x in rest)
-
-
-def _from_jit(wrapped: Any, clones: tuple[Any, ...]) -> JitPartialWrapped[Any] | None:
-    """``wrapped``'s options as `jit_partial` counts them (``0``: the clones), or None."""
-    spec, k = wrapped._spec, len(clones)
-    if wrapped._bound or spec.in_shardings is not None or spec.out_shardings is not None:
-        return None
-    if any(i < k for i in spec.static_argnums):
-        return None
-    donated = {i for i in spec.donate_argnums if i < k}
-    if donated and donated != set(range(k)):  # one list: donated together or not at all
-        return None
-    try:
-        params = list(inspect.signature(wrapped.fun).parameters.values())
-        bound_names = {p.name for p in params[:k]}
-    except (TypeError, ValueError):
-        bound_names = set()
-    shift = lambda nums: tuple(i - k + 1 for i in sorted(nums) if i >= k)  # noqa: E731
-    return JitPartialWrapped(
-        wrapped.fun,
-        clones,
-        static_argnums=shift(spec.static_argnums),
-        static_argnames=tuple(n for n in spec.static_argnames if n not in bound_names),
-        donate_argnums=(0,) * bool(donated) + shift(spec.donate_argnums),
-        donate_argnames=tuple(n for n in spec.donate_argnames if n not in bound_names),
-        graph=True,
-        graph_updates=True,
-        keep_structure=_KEEP,
-        transform="jit",
-        argument="args",
-        **wrapped._jit_options,
-    )

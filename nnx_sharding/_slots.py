@@ -130,7 +130,7 @@ def take_static_cache() -> Any:
     so that no flax context takes it too; None when there is none.
 
     ``nnx.cached_partial(f, *nodes)`` calls ``f(*clones, *args)`` with it set, and
-    raises afterwards unless a context took it. `_partial.cached_partial_call` uses it
+    raises afterwards unless a context took it. `_cached_partial.cached_partial_call` uses it
     to know which leading arguments are the clones: their structure is fixed (nothing
     else holds them), so they are flattened once, as `jit_partial` flattens.
     """

@@ -84,14 +84,14 @@ def test_cached_partial_trains_like_a_plain_call(jit):
 
 def test_cached_partial_flattens_its_clones_once(monkeypatch):
     """Under ``nnx.cached_partial`` the cached clones are flattened once, as jit_partial
-    flattens (`_partial.cached_partial_call`): no call walks the graphs (`split_call`)."""
-    from nnx_sharding import _call, _partial
+    flattens (`_cached_partial.cached_partial_call`): no call walks the graphs (`split_call`)."""
+    from nnx_sharding import _cached_partial, _call
 
     splits, partials = [], []
     original = _call.split_call
     monkeypatch.setattr(_call, "split_call", lambda *a: splits.append(1) or original(*a))
-    made = _partial._from_jit
-    monkeypatch.setattr(_partial, "_from_jit", lambda *a: partials.append(1) or made(*a))
+    made = _cached_partial._from_jit
+    monkeypatch.setattr(_cached_partial, "_from_jit", lambda *a: partials.append(1) or made(*a))
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     call = nnx.cached_partial(nnx_sharding.jit(_step), model, optimizer)
