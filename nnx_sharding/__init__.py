@@ -15,6 +15,8 @@ from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
 from ._launch import initialize_distributed as initialize_distributed
 from ._metadata import shard as shard
+from ._partial import JitPartialWrapped as JitPartialWrapped
+from ._partial import jit_partial as jit_partial
 from ._shard_map import ShardMapFn as ShardMapFn
 from ._shard_map import shard_map as shard_map
 from ._sharding import StateSharding as StateSharding
@@ -28,6 +30,7 @@ from ._table import visualize_sharding as visualize_sharding
 __all__ = [
     "Compiled",
     "Exported",
+    "JitPartialWrapped",
     "JitWrapped",
     "Lowered",
     "ShardMapFn",
@@ -39,6 +42,7 @@ __all__ = [
     "initialize_distributed",
     "inspect_sharding",
     "jit",
+    "jit_partial",
     "shard",
     "shard_map",
     "sharding_table",

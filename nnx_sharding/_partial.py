@@ -1,0 +1,565 @@
+"""`jit_partial`: ``jax.jit`` with graph-node arguments flattened once, when it is made.
+
+flax's contract (``nnx.jit_partial``): the partial arguments are split into their
+Variables once; each call passes the Variables' current values into the program and
+writes the values the program changed back into those same Variables. Their structure
+is taken as fixed: a Variable or submodule attached after `jit_partial` is not seen,
+and a structure change made inside the function is not written back. In exchange a
+call costs little more than a ``jax.jit`` call over the flat arrays: one C-level read
+of the values, jax's dispatch, one C-level write of the changed values (`_slots`).
+
+The split and merge are `_graph`'s (``nnx.split_context``/``merge_context``), so graph
+mode keeps shared Variables shared; tree mode (``graph=False``) refuses them, as flax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
+
+import jax
+from flax import nnx
+from jax.tree_util import keystr
+
+from . import _errors, _slots
+from ._boundary import check_writable, host_callbacks
+from ._cache import trace_state
+from ._graph import Leaf, Site, snapshots, unflatten_all, value_of
+from ._sharding import (
+    ShardingLike,
+    accept_flax,
+    broadcast_prefix,
+    format_path,
+    is_node,
+    variable_shardings,
+)
+from ._types import Device, PyTreeDef
+
+R = TypeVar("R")
+TRANSFORM = "jit_partial"
+
+
+_GRAPH_UPDATES = (
+    "with graph=True and graph_updates=True, a structure change the function makes to a "
+    "partial argument would have to reach your objects, but jit_partial flattened them "
+    "once and does not walk them again"
+)
+
+
+def _current(context: str) -> bool:
+    """The value of flax's ``nnx.set_graph_mode``/``nnx.set_graph_updates`` context (its
+    config's default outside one); True on a flax without them (graph mode only)."""
+    setting = getattr(nnx, context, None)
+    return True if setting is None else bool(setting.current_value())
+
+
+def is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    """The static half of a traced call: what to write back, how to rebuild the output."""
+
+    written: tuple[int, ...]  # indices of the partial Variables the program returns
+    out_treedef: PyTreeDef  # of the output, graph nodes as leaves
+    out_graphdefs: tuple[Any, ...] | None  # per treedef leaf: its graph definition, or
+    # None (for an array); None when the output holds no graph node
+    out_sizes: tuple[int, ...]  # flat leaves per treedef leaf
+    # per treedef leaf: the index of the partial argument node it is, or None; None
+    # when no output is one
+    out_sources: tuple[int | None, ...] | None
+
+
+@dataclasses.dataclass
+class _Split:
+    """The partial arguments, split once: graph definitions, Variables and constants."""
+
+    treedef: PyTreeDef  # of the partial arguments, graph nodes as leaves
+    leaves: list[Any]  # its leaves: graph nodes and constants
+    wheres: list[str]  # per leaf: ``partial_args[0]``
+    graphdefs: tuple[Any, ...]
+    sizes: tuple[int, ...]
+    items: list[Any]  # per flat leaf: the Variable, or the constant (an array)
+    sites: list[Site]
+    shardings: list[ShardingLike]  # per flat leaf
+    variables: list[nnx.Variable[Any]] = dataclasses.field(init=False)
+    constants: list[Leaf] = dataclasses.field(init=False)
+    order: list[int] = dataclasses.field(init=False)  # flat leaf -> index in a call's list
+
+    def __post_init__(self) -> None:
+        self.variables = [x for x in self.items if is_variable(x)]
+        self.constants = [x for x in self.items if not is_variable(x)]
+        n_var, k_var, k_const = len(self.variables), 0, 0
+        self.order = []
+        for x in self.items:
+            if is_variable(x):
+                self.order.append(k_var)
+                k_var += 1
+            else:
+                self.order.append(n_var + k_const)
+                k_const += 1
+
+    def partial_shardings(self) -> list[ShardingLike]:
+        """The shardings of a call's partial list (Variables, then constants)."""
+        by_index = [
+            self.shardings[i] for i in sorted(range(len(self.items)), key=self.order.__getitem__)
+        ]
+        return by_index
+
+
+def _split(partial_args: tuple[Any, ...], prefix: Any, name: str) -> _Split:
+    """Splits the partial arguments (graph nodes together: shared Variables stay one);
+    ``name``: what they are called in messages."""
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=is_node)
+    wheres = [f"{name}{keystr(kp)}" for kp, _ in keyed]
+    leaves = [leaf for _, leaf in keyed]
+    entries: list[Any] = [None] * len(leaves)
+    if prefix is not None:
+        entries = broadcast_prefix(
+            TRANSFORM, "in_shardings", prefix, partial_args, lambda kp: f"in_shardings{keystr(kp)}"
+        )
+    table = variable_shardings(
+        TRANSFORM,
+        "in_shardings",
+        [(w, x, e) for w, x, e in zip(wheres, leaves, entries, strict=True) if is_node(x)],
+    )
+    graphdefs, sizes, items, sites, shardings = [], [], [], [], []
+    with nnx.split_context() as ctx:
+        for leaf, where, entry in zip(leaves, wheres, entries, strict=True):
+            if is_node(leaf):
+                graphdef, flat = ctx.flatten(leaf)
+                graphdefs.append(graphdef)
+                sizes.append(len(flat.leaves))
+                for path, item in zip(flat.paths, flat.leaves, strict=True):
+                    items.append(item)
+                    sites.append(Site(where, tuple(path)))
+                    shardings.append(table.get(id(item), (None,))[0])
+            else:
+                graphdefs.append(None)
+                sizes.append(1)
+                items.append(leaf)
+                sites.append(Site(where, None))
+                shardings.append(entry)
+    return _Split(treedef, leaves, wheres, tuple(graphdefs), tuple(sizes), items, sites, shardings)
+
+
+def _check_tree_aliases(partial_args: tuple[Any, ...]) -> None:
+    """Tree mode: no Variable may be reached through two paths (flax's rule)."""
+    paths: dict[int, list[str]] = {}
+    kinds: dict[int, str] = {}
+    keyed = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=is_variable)[0]
+    for kp, leaf in keyed:
+        if is_variable(leaf):
+            paths.setdefault(id(leaf), []).append(f"partial_args{keystr(kp)}")
+            kinds[id(leaf)] = type(leaf).__name__
+    groups = [(kinds[k], p) for k, p in paths.items() if len(p) > 1]
+    if groups:
+        raise ValueError(_errors.partial_aliases(groups))
+
+
+def _inner_signature(fun: Callable[..., Any], n_partial: int) -> inspect.Signature | None:
+    """``fun``'s signature with its first ``n_partial`` positional parameters replaced by
+    the one list the program takes: jax resolves argnames against it."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    k = 0
+    while k < len(params) and k < n_partial and params[k].kind in positional:
+        k += 1
+    if k < n_partial and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None  # too many partial arguments: the call will say so
+    first = inspect.Parameter("partial_args", inspect.Parameter.POSITIONAL_ONLY)
+    return inspect.Signature([first, *params[k:]])
+
+
+class JitPartialWrapped(Generic[R]):
+    """What `jit_partial` returns: call it with the remaining arguments."""
+
+    def __init__(
+        self,
+        fun: Callable[..., R],
+        partial_args: tuple[Any, ...],
+        *,
+        in_shardings: Any = None,
+        out_shardings: Any = None,
+        static_argnums: int | Sequence[int] | None = None,
+        static_argnames: str | Iterable[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Iterable[str] | None = None,
+        keep_unused: bool = False,
+        device: Device | None = None,
+        backend: str | None = None,
+        inline: bool = False,
+        graph: bool | None = None,
+        graph_updates: bool | None = None,
+        compiler_options: dict[str, Any] | None = None,
+        keep_structure: str | None = None,
+        transform: str = TRANSFORM,
+        argument: str = "partial_args",
+    ):
+        self._transform = transform
+        self.n_partial = len(partial_args)
+        if not callable(fun):
+            raise TypeError(_errors.not_callable(TRANSFORM, fun, "model", decorator=False))
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.graph = _current("set_graph_mode") if graph is None else graph
+        self.graph_updates = (
+            _current("set_graph_updates") if graph_updates is None else graph_updates
+        )
+        n = len(partial_args)
+        if isinstance(in_shardings, (tuple, list)):
+            partial_prefix, runtime = accept_flax(tuple(in_shardings[:n])), tuple(in_shardings[n:])
+        else:
+            partial_prefix, runtime = None, in_shardings
+        if not self.graph:
+            _check_tree_aliases(partial_args)
+        split = _split(partial_args, partial_prefix, argument)
+        if bad := [
+            str(s)
+            for x, s in zip(split.items, split.sites, strict=True)
+            if is_variable(x) and (x.ref or x.hijax)
+        ]:
+            raise ValueError(_errors.partial_unsupported_variable(bad))
+        self._split = split
+        self._variables = split.variables
+        self._constants = split.constants
+        self._read = _slots.value_reader()
+        self._trace: Any = None  # the trace level where writing was last checked allowed
+        # per trace (by id of its _Result, which it keeps alive): `_learn`'s answer
+        self._traces: dict[int, tuple[_Result, Callable[[Sequence[Leaf]], None], bool]] = {}
+        options: dict[str, Any] = dict(
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            keep_unused=keep_unused,
+            device=device,
+            backend=backend,
+            inline=inline,
+            compiler_options=compiler_options,
+        )
+        donated = 0 in _as_tuple(donate_argnums)
+        if keep_structure is None and self.graph and self.graph_updates:
+            keep_structure = _GRAPH_UPDATES
+        shardings = split.partial_shardings()
+        if isinstance(in_shardings, (tuple, list)):
+            if any(s is not None for s in shardings) or any(s is not None for s in runtime):
+                options["in_shardings"] = (shardings, *runtime)
+        elif in_shardings is not None:
+            options["in_shardings"] = in_shardings
+        inner = _make_inner(
+            fun, split, self.graph, donated, out_shardings, keep_structure, transform, argument
+        )
+        signature = _inner_signature(fun, n)
+        if signature is not None:
+            inner.__signature__ = signature  # type: ignore[attr-defined]
+        self._jitted = jax.jit(inner, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        partial = [*map(self._read, self._variables), *self._constants]
+        result, written, payload = self._jitted(partial, *args, **kwargs)
+        known = self._traces.get(id(result))  # one _Result a trace: known after its first call
+        if known is None:
+            known = self._traces[id(result)] = self._learn(result, partial, args, kwargs)
+        _, write, waits = known
+        if waits:  # errors of Python callbacks are raised before anything is written
+            jax.block_until_ready((written, payload))
+        if written and (level := trace_state()) != self._trace:  # a new trace level:
+            self._check_writable()  # may its Variables be written? (flax's rule)
+            self._trace = level
+        write(written)
+        if result.out_graphdefs is None:  # no graph node in the output
+            return jax.tree_util.tree_unflatten(result.out_treedef, payload)
+        return _rebuild(result, payload, self._split.leaves)
+
+    def _check_writable(self) -> None:
+        """Raises flax's TraceContextError, before anything is written, if a Variable of
+        the partial arguments cannot be written at the current trace level (a call
+        inside an outer jax transform, for Variables created outside it)."""
+        split = self._split
+        sites = [s for x, s in zip(split.items, split.sites, strict=True) if is_variable(x)]
+        check_writable(self._transform, self._variables, sites)
+
+    def _learn(
+        self, result: _Result, partial: list[Leaf], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Result, Callable[[Sequence[Leaf]], None], bool]:
+        """What a trace's calls need: the writer of its written Variables, and whether
+        its program calls back into Python (then a call waits for it)."""
+        jaxpr = self._jitted.trace(partial, *args, **kwargs).jaxpr
+        write = _slots.writer([self._variables[i] for i in result.written])
+        return result, write, host_callbacks(jaxpr.jaxpr)
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The abstract output of a call; writes nothing back."""
+        partial = [*map(self._read, self._variables), *self._constants]
+        result, _, payload = self._jitted.eval_shape(partial, *args, **kwargs)
+        return _rebuild(result, payload, self._split.leaves)
+
+
+def _as_tuple(x: Any) -> tuple[Any, ...]:
+    if x is None:
+        return ()
+    return (x,) if isinstance(x, (int, str)) else tuple(x)
+
+
+def _rebuild(result: _Result, payload: Sequence[Leaf], nodes: Sequence[Any]) -> Any:
+    """The output: ``payload``'s graph nodes merged, partial argument ``nodes`` put back."""
+    if result.out_graphdefs is None:
+        return jax.tree_util.tree_unflatten(result.out_treedef, payload)
+    sources = result.out_sources or (None,) * len(result.out_graphdefs)
+    leaves, start = [], 0
+    with nnx.merge_context() as ctx:
+        for graphdef, size, source in zip(
+            result.out_graphdefs, result.out_sizes, sources, strict=True
+        ):
+            chunk, start = payload[start : start + size], start + size
+            if source is not None:
+                leaves.append(nodes[source])
+            else:
+                leaves.append(chunk[0] if graphdef is None else ctx.unflatten(graphdef, chunk))
+    return jax.tree_util.tree_unflatten(result.out_treedef, leaves)
+
+
+def _make_inner(
+    fun: Callable[..., Any],
+    split: _Split,
+    graph: bool,
+    donated: bool,
+    out_shardings: Any,
+    keep_structure: str | None,
+    transform: str,
+    argument: str,
+) -> Callable[..., Any]:
+    """The function jax traces: ``(partial list, *args, **kwargs) -> (_Result, written,
+    output leaves)``. ``keep_structure``: None to drop a structure change the function
+    makes to a partial argument (flax's jit_partial), else the rule for the error
+    raised on one."""
+    n_items = len(split.items)
+    variable_index = [i for i, x in enumerate(split.items) if is_variable(x)]
+    out_prefix = accept_flax(out_shardings)
+
+    def inner(partial: list[Leaf], *args: Any, **kwargs: Any) -> tuple[_Result, list, list]:
+        keyed = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_variable)[0]
+        if wrong := [_runtime_where(kp) for kp, x in keyed if is_variable(x)]:
+            raise ValueError(_errors.partial_runtime_variable(wrong))
+        leaves = [partial[split.order[i]] for i in range(n_items)]
+        with nnx.merge_context() as ctx:
+            nodes = unflatten_all(ctx, split.graphdefs, leaves, split.sizes)
+        partial_args = jax.tree_util.tree_unflatten(split.treedef, nodes)
+        with nnx.split_context() as ctx:  # the inner Variables, in the outer order
+            inner_items = [
+                item for node in nodes if is_node(node) for item in ctx.flatten(node)[1].leaves
+            ]
+        inner_vars = [x for x in inner_items if is_variable(x)]
+        before = [v.get_raw_value() for v in inner_vars]
+        metadata = [v.get_metadata() for v in inner_vars]
+        structures = snapshots(nodes) if keep_structure is not None else None
+        out = fun(*partial_args, *args, **kwargs)
+        if keep_structure is not None:
+            node_wheres = [w for w, n in zip(split.wheres, nodes, strict=True) if is_node(n)]
+            changed = [
+                w for w, s in zip(node_wheres, structures or [], strict=True) if not s.fresh()
+            ]
+            if changed or structures is None:
+                raise ValueError(
+                    _errors.structure_changed(
+                        transform, argument, changed or node_wheres, keep_structure, transform
+                    )
+                )
+        after = [v.get_raw_value() for v in inner_vars]
+        if moved := [
+            str(split.sites[variable_index[i]])
+            for i, v in enumerate(inner_vars)
+            if v.get_metadata() != metadata[i]
+        ]:
+            raise ValueError(_errors.partial_metadata_changed(moved))
+        written = tuple(i for i in range(len(inner_vars)) if donated or after[i] is not before[i])
+        values = []
+        for i in written:
+            value, sharding = after[i], split.shardings[variable_index[i]]
+            if sharding is not None and isinstance(value, jax.Array):
+                value = jax.lax.with_sharding_constraint(value, sharding)
+            values.append(value)
+        result, payload = _split_output(out, nodes, inner_vars, graph, out_prefix, transform)
+        return dataclasses.replace(result, written=written), values, payload
+
+    inner.__name__ = getattr(fun, "__name__", "fun")
+    inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
+    return inner
+
+
+def _split_output(
+    out: Any,
+    nodes: list[Any],
+    inputs: list[nnx.Variable[Any]],
+    graph: bool,
+    prefix: Any,
+    transform: str,
+) -> tuple[_Result, list[Leaf]]:
+    """The output as flat leaves (graph nodes split together) and its `_Result`.
+
+    An output that is a partial argument's graph node (``nodes``) comes back as that
+    very object; any other output holding one of its Variables is an error."""
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_node)
+    wheres = [f"output{keystr(kp)}" for kp, _ in keyed]
+    leaves = [leaf for _, leaf in keyed]
+    entries: list[Any] = [None] * len(leaves)
+    if prefix is not None:
+        entries = broadcast_prefix(
+            transform, "out_shardings", prefix, out, lambda kp: f"output{keystr(kp)}"
+        )
+    sources = [
+        next((k for k, n in enumerate(nodes) if n is leaf), None) if is_node(leaf) else None
+        for leaf in leaves
+    ]
+    table = variable_shardings(
+        transform,
+        "out_shardings",
+        [
+            (w, x, e)
+            for w, x, e, s in zip(wheres, leaves, entries, sources, strict=True)
+            if is_node(x) and s is None
+        ],
+    )
+    input_ids = {id(v) for v in inputs}
+    seen: dict[int, str] = {}
+    aliased: list[str] = []
+    graphdefs, sizes, payload = [], [], []
+    with nnx.split_context() as ctx:
+        for leaf, where, entry, source in zip(leaves, wheres, entries, sources, strict=True):
+            if not is_node(leaf) or source is not None:
+                graphdefs.append(None)
+                sizes.append(0 if source is not None else 1)
+                if source is None:
+                    if entry is not None and isinstance(leaf, jax.Array):
+                        leaf = jax.lax.with_sharding_constraint(leaf, entry)
+                    payload.append(leaf)
+                continue
+            graphdef, flat = ctx.flatten(leaf)
+            graphdefs.append(graphdef)
+            sizes.append(len(flat.leaves))
+            for path, item in zip(flat.paths, flat.leaves, strict=True):
+                site = where + format_path(tuple(path))
+                if is_variable(item) and (
+                    id(item) in input_ids or (not graph and id(item) in seen)
+                ):
+                    aliased.append(site)
+                seen.setdefault(id(item), site)
+                value = value_of(item)
+                sharding = table.get(id(item), (None,))[0]
+                if sharding is not None and isinstance(value, jax.Array):
+                    value = jax.lax.with_sharding_constraint(value, sharding)
+                payload.append(value)
+    if aliased:
+        raise ValueError(_errors.partial_output_aliases(aliased, transform))
+    returned = None if all(s is None for s in sources) else tuple(sources)
+    if all(g is None for g in graphdefs) and returned is None:
+        return _Result((), treedef, None, tuple(sizes), None), payload
+    return _Result((), treedef, tuple(graphdefs), tuple(sizes), returned), payload
+
+
+def jit_partial(
+    fun: Callable[..., R],
+    *partial_args: Any,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Iterable[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Iterable[str] | None = None,
+    keep_unused: bool = False,
+    device: Device | None = None,
+    backend: str | None = None,
+    inline: bool = False,
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+) -> JitPartialWrapped[R]:
+    """``jax.jit`` of ``fun`` with its first arguments bound and flattened once, as
+    ``flax.nnx.jit_partial``.
+
+    The partial arguments (modules, optimizers, Variables, arrays) are split into their
+    Variables now. Each call passes the Variables' current values to the program and
+    writes the values it changed back into them: updates made between calls are used,
+    updates made inside reach the caller's objects. Their structure is taken as fixed:
+    a Variable or submodule attached to them later is not seen, and one attached inside
+    the function is dropped. That is what makes a call cheap: a read of the values, jax's
+    dispatch and a write of the changed ones (no walk of the graphs). Use `jit` where
+    the structure changes.
+
+    Unlike flax, every ``graph``/``graph_updates`` combination is accepted: tree mode
+    (``graph=False``) refuses a Variable shared by two paths, as flax does; graph mode
+    keeps it shared (``graph_updates`` changes nothing here: structure is never written
+    back).
+
+    Args:
+      fun: the function; its first ``len(partial_args)`` positional parameters receive
+        ``partial_args``.
+      *partial_args: the arguments to bind.
+      in_shardings: a tuple/list: its first ``len(partial_args)`` entries are prefixes of
+        the partial arguments (a sharding, PartitionSpec, None or `StateSharding` at a
+        graph node), the rest those of the call's arguments; anything else applies to
+        every argument, as in ``jax.jit``.
+      out_shardings: as in `jit`.
+      static_argnums, donate_argnums: positions as flax counts them: ``0`` is all the
+        partial arguments together (``donate_argnums=0`` donates their Variables), ``1``
+        the first argument of a call.
+      static_argnames, donate_argnames: names of ``fun``'s parameters after the partial
+        ones.
+      keep_unused, device, backend, inline: as in ``jax.jit``.
+      graph: graph mode (shared Variables allowed); None: ``nnx.set_graph_mode``'s value.
+      graph_updates: accepted for flax's signature; None: ``nnx.set_graph_updates``'s.
+
+    Returns:
+      A `JitPartialWrapped`: call it with the remaining arguments.
+
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> from flax import nnx
+    >>> import nnx_sharding
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> def train_step(model, optimizer, x, y):
+    ...     loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
+    ...     loss, grads = nnx.value_and_grad(loss_fn)(model)
+    ...     optimizer.update(model, grads)
+    ...     return loss
+    >>> step = nnx_sharding.jit_partial(train_step, model, optimizer, graph=False)
+    >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 3))
+    >>> bool(step(x, y) > step(x, y))  # model and optimizer are updated in place
+    True
+    """
+    return JitPartialWrapped(
+        fun,
+        partial_args,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+        donate_argnums=donate_argnums,
+        donate_argnames=donate_argnames,
+        keep_unused=keep_unused,
+        device=device,
+        backend=backend,
+        inline=inline,
+        graph=graph,
+        graph_updates=graph_updates,
+    )
+
+
+def _runtime_where(keypath: tuple[Any, ...]) -> str:
+    """A key path of a call's ``(args, kwargs)`` as ``args[0].w`` / ``kwargs['x']``."""
+    head = "args" if keypath[0].idx == 0 else "kwargs"
+    return head + keystr(keypath[1:])
