@@ -1,0 +1,1 @@
+"""The sharding planner (see docs/planning.md)."""
