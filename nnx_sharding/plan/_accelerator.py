@@ -81,9 +81,7 @@ class Accelerator:
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "tpu", "cpu"):
-            raise ValueError(
-                f"Accelerator: kind: {self.kind!r} is not one of 'gpu', 'tpu', 'cpu'."
-            )
+            raise ValueError(f"Accelerator: kind: {self.kind!r} is not one of 'gpu', 'tpu', 'cpu'.")
         if not self.flops:
             raise ValueError(
                 f"Accelerator {self.name!r}: flops: give at least one dtype's peak, "
@@ -98,11 +96,8 @@ class Accelerator:
             "devices_per_node": self.devices_per_node,
         }
         bad += [k for k, v in numbers.items() if not (v > 0 and math.isfinite(v))]
-        bad += [
-            k
-            for k, v in (("intra_latency", self.intra_latency), ("inter_latency", self.inter_latency))
-            if not (v >= 0 and math.isfinite(v))
-        ]
+        latencies = {"intra_latency": self.intra_latency, "inter_latency": self.inter_latency}
+        bad += [k for k, v in latencies.items() if not (v >= 0 and math.isfinite(v))]
         if bad:
             raise ValueError(
                 f"Accelerator {self.name!r}: these figures must be positive and finite "
