@@ -182,7 +182,8 @@ class _Analysis:
                     self.bad(x, [d])
             if name == "dynamic_update_slice":
                 self.same_dims(ins[1], out)
-                self.bad(ins[1], [d for d in range(_ndim(out)) if _shape(ins[1])[d] != _shape(out)[d]])
+                new, size = _shape(ins[1]), _shape(out)
+                self.bad(ins[1], [d for d in range(len(size)) if new[d] != size[d]])
         elif name == "scan":
             self.scan(eqn)
         elif name == "while":

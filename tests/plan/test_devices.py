@@ -24,10 +24,10 @@ from nnx_sharding.plan._accelerator import PRESETS
 from nnx_sharding.plan._devices import compile_devices, default_tpu_topology
 
 needs_tpu = pytest.mark.skipif(
-    not _devices.has_tpu_compiler(), reason="needs the TPU compiler: pip install 'nnx_sharding[tpu]'"
+    not _devices.has_tpu_compiler(), reason="needs the TPU compiler: nnx_sharding[tpu]"
 )
 needs_gpu = pytest.mark.skipif(
-    not _devices.has_gpu_compiler(), reason="needs the GPU compiler: pip install 'nnx_sharding[gpu]'"
+    not _devices.has_gpu_compiler(), reason="needs the GPU compiler: nnx_sharding[gpu]"
 )
 
 D, F = 256, 1024  # shards of every array are whole rows on 8 devices
@@ -198,7 +198,7 @@ def test_fsdp_step_on_8_h100s_reduce_scatters_gradients_and_holds_an_eighth(capf
     assert per_device < total / 8 + 64 * D * 4 / 8 + 16
     assert compiled.cost_analysis() is None  # the GPU compiler gives no FLOPs
     lines = compiled.as_text().splitlines()
-    scatters = " ".join(line for line in lines if re.search(r"= .* reduce-scatter(-start)?\(", line))
+    scatters = " ".join(x for x in lines if re.search(r"= .* reduce-scatter(-start)?\(", x))
     for shape in (f"f32[{D},{F}]", f"f32[{F},{D}]"):  # both kernels' gradients ...
         assert shape in scatters
     reduces = [line for line in lines if re.search(r"= .* all-reduce(-start)?\(", line)]
