@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
@@ -40,7 +40,7 @@ from .._sharding import is_node
 __all__ = ["tensor_parallel_specs"]
 
 Path = tuple[Hashable, ...]
-DimKey = tuple[Any, int]  # (a jaxpr Var, a dimension)
+DimKey = tuple[Any, int]  # (a jaxpr variable at a call site, a dimension)
 
 # Operations whose result is their operand with a new layout: a weight stays a weight.
 _LAYOUT_OPS = {
@@ -88,6 +88,7 @@ class _Analysis:
         self.row: set[DimKey] = set()
         self.weights: set[Any] = set()  # vars that are (views of) weights
         self.position = itertools.count()
+        self.scopes = itertools.count(1)
 
     # --- union-find over (var, dim)
     def find(self, key: DimKey) -> DimKey:
@@ -120,21 +121,32 @@ class _Analysis:
                     self.union(a, d, b, d)
 
     # --- the walk
-    def walk(self, jaxpr: jcore.Jaxpr) -> None:
+    def walk(self, jaxpr: jcore.Jaxpr, scope: int) -> None:
         for eqn in jaxpr.eqns:
-            self.equation(eqn)
+            ins = [_ref(scope, x) for x in eqn.invars]
+            outs = [_ref(scope, x) for x in eqn.outvars]
+            self.equation(eqn, ins, outs)
+
+    def call(self, jaxpr: jcore.Jaxpr, ins: Sequence[Any], outs: Sequence[Any]) -> None:
+        """Walks a sub-jaxpr for one call site: its values are this call's own (a jaxpr
+        called twice, such as a cached ``jit``, must not join its two callers)."""
+        scope = next(self.scopes)
+        self.bind(ins, [_ref(scope, x) for x in jaxpr.invars])
+        self.walk(jaxpr, scope)
+        self.bind(outs, [_ref(scope, x) for x in jaxpr.outvars])
 
     def bind(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
         for o, i in zip(outer, inner, strict=True):
             self.same_dims(o, i)
-            if _is_var(o) and o in self.weights:
+            if _is_var(o) and _is_var(i) and o in self.weights:
                 self.weights.add(i)
 
-    def equation(self, eqn: Any) -> None:
-        name = eqn.primitive.name
-        ins, outs, params = eqn.invars, eqn.outvars, eqn.params
+    def equation(self, eqn: Any, ins: list[Any], outs: list[Any]) -> None:
+        name, params = eqn.primitive.name, eqn.params
+        if not outs:
+            return
         if name == "dot_general":
-            self.dot(eqn)
+            self.dot(params, ins, outs)
         elif name in _REDUCTIONS:
             axes = params.get("axes", ())
             (out,) = outs[:1]
@@ -185,18 +197,14 @@ class _Analysis:
                 new, size = _shape(ins[1]), _shape(out)
                 self.bad(ins[1], [d for d in range(len(size)) if new[d] != size[d]])
         elif name == "scan":
-            self.scan(eqn)
+            self.scan(params, ins, outs)
         elif name == "while":
-            self.loop(eqn)
+            self.loop(params, ins, outs)
         elif name == "cond":
             for branch in params["branches"]:
-                self.bind(ins[1:], branch.jaxpr.invars)
-                self.walk(branch.jaxpr)
-                self.bind(outs, branch.jaxpr.outvars)
+                self.call(branch.jaxpr, ins[1:], outs)
         elif (inner := _inner_jaxpr(eqn)) is not None:  # jit, remat, custom_jvp/vjp calls
-            self.bind(ins, inner.invars)
-            self.walk(inner)
-            self.bind(outs, inner.outvars)
+            self.call(inner, ins, outs)
         elif all(_ndim(x) in (0, _ndim(outs[0])) for x in ins if _is_var(x)) and all(
             _shape(o) == _shape(outs[0]) for o in outs
         ):
@@ -216,10 +224,10 @@ class _Analysis:
         if any(_is_var(x) and x in self.weights for x in ins):
             self.weights.update(o for o in outs if _is_var(o))
 
-    def dot(self, eqn: Any) -> None:
-        lhs, rhs = eqn.invars
-        (out,) = eqn.outvars
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    def dot(self, params: dict[str, Any], ins: list[Any], outs: list[Any]) -> None:
+        lhs, rhs = ins
+        (out,) = outs
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
         here = next(self.position)
         lw, rw = lhs in self.weights, rhs in self.weights
         for i, j in zip(lc, rc, strict=True):
@@ -270,38 +278,34 @@ class _Analysis:
             i += 1
             j += 1
 
-    def scan(self, eqn: Any) -> None:
-        params = eqn.params
-        body = params["jaxpr"].jaxpr
+    def scan(self, params: dict[str, Any], ins: list[Any], outs: list[Any]) -> None:
+        jaxpr = params["jaxpr"].jaxpr
         nc, ncarry = params["num_consts"], params["num_carry"]
-        ins, outs = eqn.invars, eqn.outvars
-        self.bind(ins[: nc + ncarry], body.invars[: nc + ncarry])
-        for x, inner in zip(ins[nc + ncarry :], body.invars[nc + ncarry :], strict=True):
+        scope = next(self.scopes)
+        body_ins = [_ref(scope, x) for x in jaxpr.invars]
+        body_outs = [_ref(scope, x) for x in jaxpr.outvars]
+        self.bind(ins[: nc + ncarry], body_ins[: nc + ncarry])
+        for x, inner in zip(ins[nc + ncarry :], body_ins[nc + ncarry :], strict=True):
             self.bad(x, [0])  # the scanned-over dimension stays whole
             for d in range(_ndim(inner)):
                 self.union(x, d + 1, inner, d)
             if _is_var(x) and x in self.weights:
                 self.weights.add(inner)
-        self.walk(body)
-        self.bind(outs[:ncarry], body.outvars[:ncarry])
-        for c_in, c_out in zip(body.invars[nc : nc + ncarry], body.outvars[:ncarry], strict=True):
+        self.walk(jaxpr, scope)
+        self.bind(outs[:ncarry], body_outs[:ncarry])
+        for c_in, c_out in zip(body_ins[nc : nc + ncarry], body_outs[:ncarry], strict=True):
             self.same_dims(c_in, c_out)
-        for y, inner in zip(outs[ncarry:], body.outvars[ncarry:], strict=True):
+        for y, inner in zip(outs[ncarry:], body_outs[ncarry:], strict=True):
             self.bad(y, [0])
             for d in range(_ndim(inner)):
                 self.union(y, d + 1, inner, d)
 
-    def loop(self, eqn: Any) -> None:
-        params = eqn.params
+    def loop(self, params: dict[str, Any], ins: list[Any], outs: list[Any]) -> None:
         cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
         cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        ins, outs = eqn.invars, eqn.outvars
         carry = ins[cn + bn :]
-        self.bind(ins[:cn] + carry, cond.invars)
-        self.bind(ins[cn : cn + bn] + carry, body.invars)
-        self.walk(cond)
-        self.walk(body)
-        self.bind(outs, body.outvars)
+        self.call(cond, ins[:cn] + carry, [None])
+        self.call(body, ins[cn : cn + bn] + carry, outs)
         for c_in, c_out in zip(carry, outs, strict=True):
             self.same_dims(c_in, c_out)
 
@@ -325,12 +329,29 @@ def _inner_jaxpr(eqn: Any) -> jcore.Jaxpr | None:
     return None
 
 
+class _Ref(NamedTuple):
+    """A jaxpr variable at one call site (``scope``)."""
+
+    scope: int
+    var: Any
+
+    @property
+    def aval(self) -> Any:
+        return self.var.aval
+
+
+def _ref(scope: int, x: Any) -> Any:
+    if isinstance(x, jcore.Var) and hasattr(x.aval, "shape"):
+        return _Ref(scope, x)
+    return None  # a literal, a token, ...
+
+
 def _is_var(x: Any) -> bool:
-    return isinstance(x, jcore.Var) and hasattr(x.aval, "shape")
+    return isinstance(x, _Ref)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.aval.shape)
+    return tuple(x.aval.shape) if _is_var(x) else ()
 
 
 def _ndim(x: Any) -> int:
@@ -365,10 +386,10 @@ def tensor_parallel_specs(
     >>> specs, _ = tensor_parallel_specs(lambda m, x: m(x), (model, x), {})
     >>> for path, spec in sorted(specs.items()):
     ...     print(path, spec)
-    ('down', 'bias') PartitionSpec()
-    ('down', 'kernel') PartitionSpec('model', None)
-    ('up', 'bias') PartitionSpec('model',)
-    ('up', 'kernel') PartitionSpec(None, 'model')
+    ('down', 'bias') P()
+    ('down', 'kernel') P('model', None)
+    ('up', 'bias') P('model',)
+    ('up', 'kernel') P(None, 'model')
     """
     # Every graph node (positional or keyword) becomes a graphdef and its flat Variables;
     # every array becomes an abstract operand; the rest is passed as it is.
@@ -428,11 +449,11 @@ def tensor_parallel_specs(
     closed = jax.make_jaxpr(pure)(*operands)
     jaxpr = closed.jaxpr
     analysis = _Analysis()
-    invars = jaxpr.invars
+    invars = [_ref(0, x) for x in jaxpr.invars]
     for var, (arg, _) in zip(invars, weight_index, strict=True):
         if arg >= 0:
             analysis.weights.add(var)
-    analysis.walk(jaxpr)
+    analysis.walk(jaxpr, 0)
     del n_weights
 
     # Classes: their weight dimensions, marks and conflicts.
