@@ -6,7 +6,8 @@ predicted from FLOPs, bytes accessed and collectives on an `Accelerator`.
 - Each collective costs its ring volume over the link its replica group spans (inside
   one node: ``intra_bandwidth``; else ``inter_bandwidth``): all-reduce ``2(n-1)/n``,
   all-gather, reduce-scatter and all-to-all ``(n-1)/n`` of the full array, a
-  collective-permute the array once; plus a latency per ring step.
+  collective-permute the array once; plus the link's latency, once per collective
+  (the alpha-beta model of nccl-tests: time = latency + bytes x factor / bandwidth).
 - ``step`` = ``max(compute, memory)`` + exposed comms. Collectives over the ``model``
   axis (tensor parallelism's activations) sit on the critical path and are all
   exposed; the others (gradient reductions, FSDP's gathers) overlap with compute, and
@@ -70,13 +71,6 @@ _FACTOR = {
     "all-to-all": lambda n: (n - 1) / n,
     "collective-permute": lambda n: 1.0,
 }
-_STEPS = {
-    "all-reduce": lambda n: 2 * (n - 1),
-    "all-gather": lambda n: n - 1,
-    "reduce-scatter": lambda n: n - 1,
-    "all-to-all": lambda n: n - 1,
-    "collective-permute": lambda n: 1,
-}
 
 
 def spanned_axes(group: Sequence[int], mesh_shape: Mapping[str, int]) -> set[str]:
@@ -90,13 +84,13 @@ def spanned_axes(group: Sequence[int], mesh_shape: Mapping[str, int]) -> set[str
 
 
 def collective_time(c: Collective, accelerator, crosses_nodes: bool) -> float:
-    """Seconds for one collective (ring algorithm)."""
+    """Seconds for one collective: latency + ring volume / bandwidth of the link."""
     n = c.group_size
     if n <= 1:
         return 0.0
     bandwidth = accelerator.inter_bandwidth if crosses_nodes else accelerator.intra_bandwidth
     latency = accelerator.inter_latency if crosses_nodes else accelerator.intra_latency
-    return c.bytes * _FACTOR[c.kind](n) / bandwidth + latency * _STEPS[c.kind](n)
+    return latency + c.bytes * _FACTOR[c.kind](n) / bandwidth
 
 
 def crosses_nodes(group: Sequence[int], per_node: int) -> bool:

@@ -98,6 +98,8 @@ def plan(
         if i not in static and is_node(a)
     }
     chosen = candidates(n, layouts)
+    if layouts is None and not _has_optimizer_state(variables):  # zero1 would be dp
+        chosen = [c for c in chosen if c.layout != "zero1"]
     tp: dict[int, dict[Path, P] | None] = {}
     tp_problem = None
     if any("model" in c.mesh_shape for c in chosen):
@@ -136,6 +138,14 @@ def _default_count(topology: str | None, num_slices: int) -> int:
         dims = re.findall(r"\d+", topology.split(":", 1)[1])
         return math.prod(int(d) for d in dims) * num_slices
     return jax.device_count()
+
+
+def _has_optimizer_state(variables: dict[int, list[tuple[Path, nnx.Variable]]]) -> bool:
+    return any(
+        isinstance(v, nnx.OptState) and len(getattr(v.get_value(), "shape", ())) > 0
+        for pairs in variables.values()
+        for _, v in pairs
+    )
 
 
 def _dtype(variables: dict[int, list[tuple[Path, nnx.Variable]]]) -> str:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .._sharding import StateSharding, is_node
@@ -31,15 +32,15 @@ _SHORT = {
 
 
 def rank(plans: Sequence[Plan]) -> list[Plan]:
-    """Plans that fit first, by predicted step time; then the others by peak memory;
-    those that could not be built last."""
+    """Plans that fit first, by predicted step time (ties: by the unoverlapped time,
+    then peak memory); then the others by peak memory; those not built last."""
 
     def key(p: Plan) -> tuple[Any, ...]:
         if p.fits and p.time is not None:
-            return (0, p.time.step, p.memory.peak if p.memory else 0)
+            return (0, p.time.step, p.time.serial, p.memory.peak if p.memory else 0)
         if p.memory is not None:
-            return (1, p.memory.peak, 0.0)
-        return (2, 0.0, 0.0)
+            return (1, p.memory.peak, 0.0, 0)
+        return (2, 0.0, 0.0, 0)
 
     return sorted(plans, key=key)
 
@@ -119,7 +120,7 @@ class Plans(Sequence[Plan]):
             mesh = "×".join(f"{k}={v}" for k, v in p.mesh_shape.items())
             if p.memory is None or p.time is None:
                 row = [str(i), p.layout, mesh] + [""] * 9 + ([""] if measured else [])
-                table.add_row(*row, f"[red]{p.reason}[/red]")
+                table.add_row(*row, f"[red]{escape(str(p.reason))}[/red]")
                 continue
             comms = ", ".join(
                 f"{_SHORT[k]} {format_bytes(p.collectives[k])}"
@@ -142,13 +143,13 @@ class Plans(Sequence[Plan]):
             ]
             if measured:
                 row.append(format_seconds(p.measured) if p.measured is not None else "")
-            status = "[green]yes[/green]" if p.fits else f"[red]no: {p.reason}[/red]"
+            status = "[green]yes[/green]" if p.fits else f"[red]no: {escape(str(p.reason))}[/red]"
             extra = [n for n in p.notes if n not in self._step.notes]
             if extra:
-                status += " (" + "; ".join(extra) + ")"
+                status += escape(" (" + "; ".join(extra) + ")")
             table.add_row(*row, status)
         if self._step.notes:
-            table.caption = "; ".join(self._step.notes)
+            table.caption = escape("; ".join(self._step.notes))
         return table
 
     def __rich__(self) -> Table:
@@ -175,21 +176,32 @@ class Plans(Sequence[Plan]):
             raise ImportError(
                 "Plans.plot needs matplotlib: pip install 'nnx_sharding[bench]'"
             ) from e
+        from matplotlib.ticker import FuncFormatter
+
         built = [p for p in self._plans if p.memory is not None and p.time is not None]
         fig, ax = plt.subplots(figsize=(8, 5))
-        gib = 2**30
         for p in built:
-            ax.scatter(p.memory.peak / gib, p.time.step * 1e3, color="C0" if p.fits else "C3")
-            ax.annotate(p.label, (p.memory.peak / gib, p.time.step * 1e3), fontsize=7)
+            ax.scatter(p.memory.peak, p.time.step * 1e3, color="C0" if p.fits else "C3")
+            ax.annotate(p.label, (p.memory.peak, p.time.step * 1e3), fontsize=7)
         front = pareto(built)
-        ax.plot(
-            [p.memory.peak / gib for p in front],
+        ax.step(
+            [p.memory.peak for p in front],
             [p.time.step * 1e3 for p in front],
             "k--",
+            where="post",
             label="Pareto front",
         )
-        ax.axvline(self.limit / gib, color="C3", label="memory limit")
-        ax.set_xlabel("peak memory per device (GiB)")
+        ax.scatter(
+            [p.memory.peak for p in front],
+            [p.time.step * 1e3 for p in front],
+            s=120,
+            facecolors="none",
+            edgecolors="k",
+        )
+        ax.axvline(self.limit, color="C3", label=f"memory limit ({format_bytes(self.limit)})")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_bytes(x)))
+        ax.set_xlabel("peak memory per device (log scale)")
         ax.set_ylabel("predicted step time (ms)")
         ax.set_title(self.title, fontsize=9)
         ax.legend()
