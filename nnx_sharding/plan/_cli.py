@@ -93,8 +93,13 @@ def main(argv: Sequence[str]) -> int:
 
     try:
         accelerator, topology = resolve_accelerator(args.accelerator)
-    except ValueError as e:
-        p.error(str(e))
+    except ValueError:
+        from ._accelerator import PRESETS
+
+        p.error(
+            f"unknown --accelerator {args.accelerator!r}; choose a preset "
+            f"({', '.join(PRESETS)}) or a TPU topology such as v5e:16x16"
+        )
     layouts = args.layouts.split(",") if args.layouts else None
     if layouts and (wrong := [x for x in layouts if x not in LAYOUTS]):
         p.error(f"unknown --layouts {','.join(wrong)}; choose among {','.join(LAYOUTS)}")
@@ -113,6 +118,10 @@ def main(argv: Sequence[str]) -> int:
         status = _cpu_devices(devices, ["plan", *argv])
         if status is not None:
             return status
+    else:  # compile-only devices need no accelerator: keep jax off any it would probe
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
     return _run(args, accelerator if topology is None else args.accelerator, devices, layouts)
 
 
@@ -124,8 +133,11 @@ def _cpu_devices(count: int, argv: list[str]) -> int | None:
     except ImportError:  # a package without the shared command-line helpers
         import jax
 
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
+        try:
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", count)
+        except RuntimeError:  # jax has started: `plan` says if it has too few
+            pass
         return None
     return cpu_devices_or_rerun(count, argv)
 
