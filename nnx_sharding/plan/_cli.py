@@ -164,7 +164,7 @@ def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any)
     with nnx.use_eager_sharding(False):
         model, optimizer = nnx.eval_shape(build)
     tokens = jax.ShapeDtypeStruct((config.batch, config.seq_len + 1), jnp.int32)
-    console = Console()
+    console = Console(width=max(Console().width, 170))  # the table's width
     console.print(
         f"planning {config.name} ({config.param_count():,} parameters, batch {config.batch} "
         f"× {config.seq_len} tokens) for {devices} devices of {args.accelerator}"

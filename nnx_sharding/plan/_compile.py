@@ -151,26 +151,19 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
     start = time.perf_counter()
     try:
-        compiled = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
-        lowered = compiled
-        compiled = compiled.compile()
+        lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
+        compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - any compiler error is this candidate's reason
         message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         return Plan(**base, **failed, reason=f"could not be compiled: {message}")
     seconds = time.perf_counter() - start
     notes = list(step.notes)
     n = math.prod(candidate.mesh_shape.values())
+    text = compiled.as_text()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-    if cost and cost.get("flops", 0) > 0:
-        flops = float(cost["flops"])
-        accessed = float(cost.get("bytes accessed", 0.0))
-    else:  # the GPU compiler gives none: the unpartitioned module's, divided by N
-        whole = lowered.cost_analysis() or {}
-        whole = whole[0] if isinstance(whole, (list, tuple)) and whole else whole
-        flops = float(whole.get("flops", 0.0)) / n
-        accessed = float(whole.get("bytes accessed", 0.0)) / n
-        notes.append("FLOPs and bytes accessed: the unpartitioned program's, divided by N")
+    flops = float((cost or {}).get("flops", 0.0))
+    accessed = float((cost or {}).get("bytes accessed", 0.0))
     state = state_bytes(step, candidate, specs)
     stats = compiled.memory_analysis()
     if stats is None:
@@ -182,10 +175,17 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         alias=int(stats.alias_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),
     )
+    if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
+        flops = _hlo.dot_flops(text)
+        accessed = float(memory.arguments + memory.outputs + 2 * memory.temp)
+        notes.append(
+            f"the {step.compiler} compiler gives no cost_analysis: FLOPs are the optimized "
+            "program's matmuls; bytes accessed, its arguments, outputs and twice its temporaries"
+        )
     notes += check_memory(memory, flops)
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
         memory = dataclasses.replace(memory, arguments=state)
-    found = _hlo.collectives(compiled.as_text(), n)
+    found = _hlo.collectives(text, n)
     predicted = predict(flops, accessed, found, candidate.mesh_shape, step.accelerator, step.dtype)
     fits = memory.peak <= step.limit
     reason = None

@@ -242,6 +242,36 @@ def _slices(user: _Instr, size: int, pid: set[tuple[str, str]]) -> bool:
     return any((user.computation, op) in pid for op in _operands(user.rest))
 
 
+def dot_flops(text: str) -> float:
+    """FLOPs of the matmuls of an optimized HLO module: ``2 · result elements ·
+    contracted size`` for each ``dot`` (fused ones included) and each cuBLAS GEMM
+    custom call. What a compiler without ``cost_analysis`` (the GPU's) is counted by."""
+    instrs = list(_instructions(text))
+    shapes = {(i.computation, i.name): i.shape for i in instrs}
+    total = 0.0
+    for ins in instrs:
+        if ins.opcode == "dot":
+            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+        elif ins.opcode == "custom-call" and re.search(r"gemm|matmul", ins.rest):
+            m = re.search(r'"lhs_contracting_dimensions":\[([\d",]*)\]', ins.rest)
+        else:
+            continue
+        operands = _operands(ins.rest)
+        inline = _ARRAY.findall(ins.rest.split("%", 1)[0])
+        if operands and (ins.computation, operands[0]) in shapes:
+            lhs = _ARRAY.findall(shapes[(ins.computation, operands[0])])
+        else:
+            lhs = inline
+        result = _ARRAY.findall(ins.shape)
+        if not (m and lhs and result):
+            continue
+        dims = [int(d) for d in lhs[0][1].split(",") if d]
+        contracted = [int(c.strip('"')) for c in m.group(1).split(",") if c.strip('"')]
+        out = [int(d) for d in result[0][1].split(",") if d]
+        total += 2.0 * math.prod(out) * math.prod(dims[c] for c in contracted if c < len(dims))
+    return total
+
+
 def summary(found: list[Collective]) -> dict[str, int]:
     """Bytes per kind, every kind present (0 where none)."""
     totals = dict.fromkeys(KINDS, 0)

@@ -113,6 +113,8 @@ class Plans(Sequence[Plan]):
         ):
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
         measured = any(p.measured is not None for p in self._plans)
+        built = [p for p in self._plans if p.memory is not None]
+        common = [n for n in built[0].notes if all(n in p.notes for p in built)] if built else []
         if measured:
             table.add_column("measured", justify="right")
         table.add_column("fits / why not")
@@ -144,12 +146,12 @@ class Plans(Sequence[Plan]):
             if measured:
                 row.append(format_seconds(p.measured) if p.measured is not None else "")
             status = "[green]yes[/green]" if p.fits else f"[red]no: {escape(str(p.reason))}[/red]"
-            extra = [n for n in p.notes if n not in self._step.notes]
+            extra = [n for n in p.notes if n not in common]
             if extra:
                 status += escape(" (" + "; ".join(extra) + ")")
             table.add_row(*row, status)
-        if self._step.notes:
-            table.caption = escape("; ".join(self._step.notes))
+        if common:
+            table.caption = escape("; ".join(common))
         return table
 
     def __rich__(self) -> Table:
