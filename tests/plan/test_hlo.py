@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nnx_sharding.plan._hlo import collectives, replica_groups, shape_bytes, summary
+from nnx_sharding.plan._hlo import collectives, dot_flops, replica_groups, shape_bytes, summary
 
 
 def test_shape_bytes_of_arrays_and_tuples():
@@ -98,3 +98,23 @@ def test_async_pairs_count_once_at_their_start():
         ("all-reduce", 4096, 2),
         ("reduce-scatter", 4096, 8),
     ]
+
+
+GPU_FUSED_DOT = """
+%fused_dot (parameter_0: f32[128,512], parameter_1: f32[512,256]) -> f32[128,256] {
+  %parameter_0 = f32[128,512]{1,0} parameter(0)
+  %parameter_1 = f32[512,256]{1,0} parameter(1)
+  ROOT %dot.5 = f32[128,256]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[128,512], b: f32[512,256]) -> f32[128,256] {
+  %a = f32[128,512]{1,0} parameter(0)
+  %b = f32[512,256]{1,0} parameter(1)
+  %gemm = (f32[128,256]{1,0}, s8[4096]{0}) custom-call(f32[128,512]{1,0} %a, f32[512,256]{1,0} %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %fusion = f32[128,256]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+}
+"""
+
+
+def test_matmul_flops_where_the_compiler_gives_no_cost_analysis():
+    assert dot_flops(GPU_FUSED_DOT) == 2 * (2 * 128 * 256 * 512)
