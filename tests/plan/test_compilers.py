@@ -51,5 +51,6 @@ def test_fsdp_reduce_scatters_gradients_and_holds_an_eighth(accelerator, compile
     assert dp.memory.state == 2 * kernel + 4  # the kernel, its momentum, the step count
     assert fsdp.memory.state == 2 * kernel // 8 + 4
     assert fsdp.collectives["reduce-scatter"] == kernel  # the gradient, scattered
-    assert fsdp.collectives["all-gather"] == kernel  # the kernel, gathered for the pass
-    assert dp.collectives["all-reduce"] == kernel + 4 or dp.collectives["all-reduce"] == kernel
+    # the kernel, gathered for the pass (the TPU compiler's gather moves half the bytes)
+    assert fsdp.collectives["all-gather"] == (kernel // 2 if compiler == "tpu" else kernel)
+    assert dp.collectives["all-reduce"] == kernel + 4  # the gradient and the loss
