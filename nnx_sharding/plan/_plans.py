@@ -82,8 +82,10 @@ class Plans(Sequence[Plan]):
             return self._plans[0]
         built = [p for p in self._plans if p.memory is not None]
         if not built:
-            reasons = "; ".join(f"{p.label}: {p.reason}" for p in self._plans)
-            raise ValueError(f"plan: no candidate could be built ({reasons})")
+            reasons = "; ".join(f"{p.label}: {p.reason}" for p in self._plans[:3])
+            more = len(self._plans) - 3
+            reasons += f"; and {more} more (see the table)" if more > 0 else ""
+            raise ValueError(f"plan: no candidate could be built. {reasons}")
         closest = min(built, key=lambda p: p.memory.peak)
         miss = shortfall(closest, self.limit)
         raise ValueError(
