@@ -1,7 +1,8 @@
 """nnx_sharding: lifted ``jax.jit`` and shardings for Flax NNX graph nodes.
 
-``nnx_sharding.checkpoint`` (save and restore on orbax) is imported on first use, so
-that importing the package does not import orbax.
+``nnx_sharding.checkpoint`` (save and restore on orbax) and ``nnx_sharding.plan`` (the
+sharding planner, with ``Accelerator``) are imported on first use, so that importing
+the package imports neither.
 """
 
 import importlib
@@ -28,6 +29,7 @@ from ._table import sharding_table as sharding_table
 from ._table import visualize_sharding as visualize_sharding
 
 __all__ = [
+    "Accelerator",
     "Compiled",
     "Exported",
     "JitPartialWrapped",
@@ -43,6 +45,7 @@ __all__ = [
     "inspect_sharding",
     "jit",
     "jit_partial",
+    "plan",
     "shard",
     "shard_map",
     "sharding_table",
@@ -52,10 +55,15 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from . import checkpoint as checkpoint
+    from . import plan as plan
+    from .plan import Accelerator as Accelerator
 
 
 def __getattr__(name: str) -> Any:
-    """``nnx_sharding.checkpoint``, imported on first access (it imports orbax)."""
-    if name == "checkpoint":
-        return importlib.import_module(".checkpoint", __name__)
+    """``nnx_sharding.checkpoint`` (it imports orbax) and ``nnx_sharding.plan`` (a
+    callable subpackage) with ``Accelerator``, imported on first access."""
+    if name in ("checkpoint", "plan"):
+        return importlib.import_module(f".{name}", __name__)
+    if name == "Accelerator":
+        return importlib.import_module(".plan", __name__).Accelerator
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

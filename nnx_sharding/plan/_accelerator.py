@@ -1,0 +1,283 @@
+"""What an accelerator can do, for the planner's cost model: `Accelerator` and its presets.
+
+Every figure is per device, dense (no structured sparsity), from public data sheets; the
+sources are listed in ``docs/planning.md`` ("Cost model constants"):
+
+========== ========= ========= ======= ========= ================ ================ ====
+preset     bf16      fp32      HBM     HBM B/s   in node, 1 way   across nodes     per
+           FLOP/s    FLOP/s                      B/s, latency     B/s, latency     node
+========== ========= ========= ======= ========= ================ ================ ====
+h100       989e12    67e12     80 GB   3.35e12   450e9, 5 us      50e9, 10 us      8
+h200       989e12    67e12     141 GB  4.8e12    450e9, 5 us      50e9, 10 us      8
+a100-80gb  312e12    19.5e12   80 GB   2.039e12  300e9, 5 us      25e9, 10 us      8
+b200       2.25e15   75e12     180 GB  8e12      900e9, 5 us      50e9, 10 us      8
+v5e        197e12    --        16 GB   8.19e11   1e11, 1 us       3.125e9, 10 us   8
+v5p        459e12    --        95 GB   2.765e12  2e11, 1 us       6.25e9, 10 us    4
+v6e        918e12    --        32 GB   1.64e12   2e11, 1 us       3.125e9, 10 us   8
+cpu        (nominal) 1e12      16 GiB  1e11      1e10, 10 us      1e10, 10 us      8
+========== ========= ========= ======= ========= ================ ================ ====
+
+The TPU's "in node" figure is the bandwidth a chip has into a ring along one axis of its
+torus: one link each way to both neighbours (the JAX scaling book's bidirectional
+per-link figure), so a ring collective over ``n`` chips moves its ``(n-1)/n`` share at
+that rate. "Across nodes" is the data-centre network (DCN) between slices: a host's
+``2.5e10`` B/s shared by its chips. Latencies are order-of-magnitude assumptions (NCCL
+and ICI hop latencies), not data-sheet figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Literal
+
+import numpy as np
+
+__all__ = ["PRESETS", "Accelerator", "resolve_accelerator"]
+
+AcceleratorKind = Literal["gpu", "tpu", "cpu"]
+DTypeName = str  # a numpy dtype name: "bfloat16", "float32", "int8", ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One accelerator model, as the planner's cost model sees it (figures per device).
+
+    Attributes:
+        name: the preset's name (``"h100"``) or your own.
+        kind: ``"gpu"``, ``"tpu"`` or ``"cpu"``: which compiler plans for it.
+        flops: peak dense FLOP/s per dtype name (``"bfloat16"``, ``"float32"``, ...).
+        hbm_bytes: memory per device, in bytes.
+        hbm_bandwidth: memory bandwidth per device, bytes per second.
+        intra_bandwidth: bytes per second one device sends into a collective whose
+            devices share a node (NVLink; a TPU slice's ICI ring).
+        inter_bandwidth: the same across nodes (InfiniBand per GPU; DCN per TPU chip).
+        intra_latency: seconds each collective costs before its first byte, in a node.
+        inter_latency: the same across nodes.
+        devices_per_node: devices that share the fast link (a GPU host; a TPU slice
+            counts as one node whatever its size, see `resolve_accelerator`).
+
+    >>> from nnx_sharding.plan._accelerator import PRESETS
+    >>> h100 = PRESETS["h100"]
+    >>> h100.peak_flops("bfloat16") / 1e12
+    989.0
+    >>> mine = dataclasses.replace(h100, name="h100-pcie", hbm_bandwidth=2.0e12)
+    >>> mine.hbm_bandwidth
+    2000000000000.0
+    """
+
+    name: str
+    kind: AcceleratorKind
+    flops: Mapping[DTypeName, float] = dataclasses.field(hash=False)
+    hbm_bytes: int
+    hbm_bandwidth: float
+    intra_bandwidth: float
+    inter_bandwidth: float
+    intra_latency: float
+    inter_latency: float
+    devices_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpu", "tpu", "cpu"):
+            raise ValueError(f"Accelerator: kind: {self.kind!r} is not one of 'gpu', 'tpu', 'cpu'.")
+        if not self.flops:
+            raise ValueError(
+                f"Accelerator {self.name!r}: flops: give at least one dtype's peak, "
+                "e.g. flops={'bfloat16': 989e12}."
+            )
+        bad = [k for k, v in self.flops.items() if not (v > 0 and math.isfinite(v))]
+        numbers = {
+            "hbm_bytes": self.hbm_bytes,
+            "hbm_bandwidth": self.hbm_bandwidth,
+            "intra_bandwidth": self.intra_bandwidth,
+            "inter_bandwidth": self.inter_bandwidth,
+            "devices_per_node": self.devices_per_node,
+        }
+        bad += [k for k, v in numbers.items() if not (v > 0 and math.isfinite(v))]
+        latencies = {"intra_latency": self.intra_latency, "inter_latency": self.inter_latency}
+        bad += [k for k, v in latencies.items() if not (v >= 0 and math.isfinite(v))]
+        if bad:
+            raise ValueError(
+                f"Accelerator {self.name!r}: these figures must be positive and finite "
+                f"(latencies may be 0): {', '.join(bad)}."
+            )
+        # A read-only copy: the preset objects are shared by every caller.
+        object.__setattr__(self, "flops", MappingProxyType(dict(self.flops)))
+
+    def peak_flops(self, dtype: object = "bfloat16") -> float:
+        """Peak dense FLOP/s for matmuls in ``dtype`` (a name or anything `numpy.dtype` takes).
+
+        A dtype the table lacks falls back, in order, to: ``float32``'s figure for
+        ``float64`` and ``float16``/``bfloat16`` to each other (the same tensor cores),
+        then the lowest figure listed (the conservative choice).
+
+        >>> PRESETS["v5e"].peak_flops("float32") == PRESETS["v5e"].peak_flops("bfloat16")
+        True
+        """
+        name = _dtype_name(dtype)
+        if name in self.flops:
+            return float(self.flops[name])
+        for alias in _FALLBACKS.get(name, ()):
+            if alias in self.flops:
+                return float(self.flops[alias])
+        return float(min(self.flops.values()))
+
+
+_FALLBACKS: dict[str, tuple[str, ...]] = {
+    "float16": ("bfloat16",),
+    "bfloat16": ("float16",),
+    "float64": ("float32",),
+    "float8_e4m3fn": ("int8",),
+    "float8_e5m2": ("int8",),
+}
+
+
+def _dtype_name(dtype: object) -> str:
+    if isinstance(dtype, str):
+        try:
+            return np.dtype(dtype).name
+        except TypeError:
+            import jax.numpy as jnp  # bfloat16 and the float8 types are ml_dtypes'
+
+            return np.dtype(getattr(jnp, dtype, dtype)).name
+    return np.dtype(dtype).name  # type: ignore[arg-type]
+
+
+_GB = 10**9
+_GIB = 2**30
+
+
+def _gpu(name: str, bf16: float, fp32: float, hbm: int, hbm_bw: float, nvlink: float, ib: float):
+    flops = {"bfloat16": bf16, "float16": bf16, "float32": fp32, "int8": 2 * bf16}
+    if name in ("h100", "h200", "b200"):
+        flops["float8_e4m3fn"] = flops["float8_e5m2"] = 2 * bf16
+    return Accelerator(
+        name=name,
+        kind="gpu",
+        flops=flops,
+        hbm_bytes=hbm,
+        hbm_bandwidth=hbm_bw,
+        intra_bandwidth=nvlink,
+        inter_bandwidth=ib,
+        intra_latency=5e-6,
+        inter_latency=10e-6,
+        devices_per_node=8,
+    )
+
+
+def _tpu(name: str, bf16: float, hbm: int, hbm_bw: float, ici: float, dcn: float, per_host: int):
+    return Accelerator(
+        name=name,
+        kind="tpu",
+        # The MXU takes bf16 operands; float32 matmuls run as bf16 passes at best.
+        flops={"bfloat16": bf16, "float32": bf16, "int8": 2 * bf16},
+        hbm_bytes=hbm,
+        hbm_bandwidth=hbm_bw,
+        intra_bandwidth=ici,
+        inter_bandwidth=dcn,
+        intra_latency=1e-6,
+        inter_latency=10e-6,
+        devices_per_node=per_host,
+    )
+
+
+#: The presets by name; `resolve_accelerator` also takes a few aliases and TPU topologies.
+PRESETS: Mapping[str, Accelerator] = MappingProxyType(
+    {
+        # NVIDIA H100 SXM5 data sheet: 989 TFLOP/s bf16 dense (1,979 is with sparsity),
+        # 67 TFLOP/s fp32, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s both ways; one
+        # 400 Gb/s InfiniBand NIC per GPU across nodes (DGX H100).
+        "h100": _gpu("h100", 989e12, 67e12, 80 * _GB, 3.35e12, 450e9, 50e9),
+        # NVIDIA H200 SXM: the H100's compute, 141 GB HBM3e at 4.8 TB/s.
+        "h200": _gpu("h200", 989e12, 67e12, 141 * _GB, 4.8e12, 450e9, 50e9),
+        # NVIDIA A100 SXM4 80GB: 312 TFLOP/s bf16, 19.5 fp32, 2,039 GB/s, NVLink 3
+        # 600 GB/s both ways; 200 Gb/s HDR InfiniBand per GPU (DGX A100).
+        "a100-80gb": _gpu("a100-80gb", 312e12, 19.5e12, 80 * _GB, 2.039e12, 300e9, 25e9),
+        # NVIDIA HGX B200: 2.25 PFLOP/s bf16 dense per GPU (18 PFLOP/s fp8 sparse per
+        # 8), 75 TFLOP/s fp32, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s both ways;
+        # 400 Gb/s ConnectX-7 per GPU (DGX B200).
+        "b200": _gpu("b200", 2.25e15, 75e12, 180 * _GB, 8e12, 900e9, 50e9),
+        # Google Cloud TPU v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, 2-D torus;
+        # ICI 1,600 Gb/s per chip over 4 links (5e10 B/s per link one way); 8 per host.
+        "v5e": _tpu("v5e", 197e12, 16 * _GB, 8.19e11, 2 * 5e10, 2.5e10 / 8, 8),
+        # TPU v5p: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, 3-D torus, ICI 1e11
+        # per link one way; 4 chips per host.
+        "v5p": _tpu("v5p", 459e12, 95 * _GB, 2.765e12, 2 * 1e11, 2.5e10 / 4, 4),
+        # TPU v6e (Trillium): 918 TFLOP/s bf16, 32 GB HBM at 1,640 GB/s, 2-D torus,
+        # ICI 1e11 per link one way; 8 chips per host.
+        "v6e": _tpu("v6e", 918e12, 32 * _GB, 1.64e12, 2 * 1e11, 2.5e10 / 8, 8),
+        # A nominal CPU device, for plans compiled on simulated CPU devices: the figures
+        # only rank candidates; they describe no particular machine.
+        "cpu": Accelerator(
+            name="cpu",
+            kind="cpu",
+            flops={"float32": 1e12, "bfloat16": 1e12},
+            hbm_bytes=16 * _GIB,
+            hbm_bandwidth=1e11,
+            intra_bandwidth=1e10,
+            inter_bandwidth=1e10,
+            intra_latency=10e-6,
+            inter_latency=10e-6,
+            devices_per_node=8,
+        ),
+    }
+)
+
+_ALIASES = {
+    "h100-sxm": "h100",
+    "h100-80gb": "h100",
+    "h200-sxm": "h200",
+    "a100": "a100-80gb",
+    "a100-sxm-80gb": "a100-80gb",
+    "v5litepod": "v5e",
+    "v5lite": "v5e",
+    "trillium": "v6e",
+    "tpu-v5e": "v5e",
+    "tpu-v5p": "v5p",
+    "tpu-v6e": "v6e",
+}
+
+
+def resolve_accelerator(spec: str | Accelerator) -> tuple[Accelerator, str | None]:
+    """The `Accelerator` a name stands for, and the TPU topology it names (or None).
+
+    ``spec``: an `Accelerator` (returned as is), a preset name (case-insensitive, a few
+    aliases such as ``"a100"`` or ``"trillium"``), or a TPU topology as
+    ``jax.experimental.topologies.get_topology_desc`` takes it: ``"v5e:16x16"``,
+    ``"v5p:4x4x4"``, ``"v6e:8x8"``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the presets), or a topology
+            given for a GPU or CPU preset, or a topology that is not ``AxB[xC]``.
+
+    >>> accelerator, topology = resolve_accelerator("v5e:16x16")
+    >>> accelerator.name, topology
+    ('v5e', 'v5e:16x16')
+    >>> resolve_accelerator("H100")[0].name
+    'h100'
+    """
+    if isinstance(spec, Accelerator):
+        return spec, None
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"plan: accelerator: expected a preset name, a TPU topology such as "
+            f"'v5e:16x16', or an nnx_sharding.Accelerator, got {type(spec).__name__}."
+        )
+    text = spec.strip().lower()
+    name, _, shape = text.partition(":")
+    name = _ALIASES.get(name, name)
+    if name not in PRESETS:
+        from .. import _errors
+
+        raise ValueError(_errors.plan_unknown_accelerator(spec, sorted(PRESETS), sorted(_ALIASES)))
+    accelerator = PRESETS[name]
+    if not shape:
+        return accelerator, None
+    dims = shape.split("x")
+    if accelerator.kind != "tpu" or not all(d.isdigit() and int(d) > 0 for d in dims):
+        from .. import _errors
+
+        raise ValueError(_errors.plan_bad_topology(spec, accelerator.kind))
+    return accelerator, f"{name}:{shape}"

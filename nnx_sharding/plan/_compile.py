@@ -1,0 +1,221 @@
+"""One candidate, lowered and compiled for N devices (never allocated), and measured:
+memory from ``memory_analysis``, FLOPs from ``cost_analysis``, collectives from the
+optimized HLO."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
+
+from .._jit import jit
+from .._sharding import StateSharding, is_node
+from .._state_sharding import AtPath
+from . import _hlo
+from ._cost import Memory, predict
+from ._layouts import Candidate, Path, data_spec, node_specs
+from ._plan import Plan, bind
+
+
+@dataclasses.dataclass
+class Step:
+    """What every candidate shares: the step, its abstract arguments and the target."""
+
+    fun: Callable[..., Any]
+    args: tuple[Any, ...]  # abstract: Variables and arrays hold ShapeDtypeStructs
+    static: frozenset[int]
+    options: dict[str, Any]
+    variables: dict[int, list[tuple[Path, nnx.Variable]]]  # per graph-node argument
+    tp: dict[int, dict[Path, P] | None]  # tensor-parallel specs per graph-node argument
+    devices: Sequence[Any]
+    compiler: str
+    accelerator: Any
+    dtype: str
+    limit: int
+    notes: tuple[str, ...] = ()
+    originals: tuple[Any, ...] = ()  # the arguments as given (for `Plans.measure`)
+
+
+def abstract(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
+    """``args`` with every array (in graph nodes too) a ``ShapeDtypeStruct`` without a
+    sharding: what the candidates lower. Sharing between arguments is kept; the
+    caller's objects are not touched."""
+    nodes = [i for i, a in enumerate(args) if i not in static and is_node(a)]
+    with nnx.use_eager_sharding(False):
+        copies = nnx.eval_shape(lambda *a: a, *[args[i] for i in nodes]) if nodes else ()
+    for node in copies:
+        for _, value in nnx.iter_graph(node):
+            if isinstance(value, nnx.Variable):
+                v = value.get_value()
+                if hasattr(v, "shape") and hasattr(v, "dtype"):
+                    value.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype))
+    out = list(args)
+    for i, node in zip(nodes, copies, strict=True):
+        out[i] = node
+    for i, a in enumerate(args):
+        if i in static or is_node(a):
+            continue
+        out[i] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x, a
+        )
+    return tuple(out)
+
+
+def in_shardings(step: Step, candidate: Candidate) -> tuple[tuple[Any, ...], list[str]]:
+    """The PartitionSpecs of every positional argument under ``candidate`` and the
+    problems found (shapes that do not divide)."""
+    entries: list[Any] = []
+    problems: list[str] = []
+    for i, arg in enumerate(step.args):
+        where = f"args[{i}]"
+        if i in step.static:
+            entries.append(None)
+        elif i in step.variables:
+            specs, wrong = node_specs(candidate, step.variables[i], step.tp.get(i), where)
+            problems += wrong
+            entries.append(StateSharding([(AtPath(p), s) for p, s in specs.items()]))
+        else:
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
+            specs = []
+            for keypath, leaf in leaves:
+                if not hasattr(leaf, "shape"):
+                    specs.append(None)
+                    continue
+                spec, wrong = data_spec(
+                    candidate, leaf.shape, where + jax.tree_util.keystr(keypath)
+                )
+                specs.append(spec)
+                problems += [wrong] if wrong else []
+            entries.append(jax.tree_util.tree_unflatten(treedef, specs))
+    return tuple(entries), problems
+
+
+def state_bytes(step: Step, candidate: Candidate, specs: Sequence[Any]) -> int:
+    """Per-device bytes of every graph node's Variables under their specs (a Variable
+    shared by two arguments counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for i, variables in step.variables.items():
+        entry = specs[i]
+        for path, var in variables:
+            if id(var) in seen:
+                continue
+            seen.add(id(var))
+            v = var.get_value()
+            if not hasattr(v, "shape"):
+                continue
+            spec = entry.sharding_for(path, var)
+            shape = list(v.shape)
+            for dim, names in enumerate(spec):
+                for name in names if isinstance(names, tuple) else (names,):
+                    if name is not None:
+                        shape[dim] //= candidate.mesh_shape[name]
+            total += math.prod(shape) * np.dtype(v.dtype).itemsize
+    return total
+
+
+def make_mesh(devices: Sequence[Any], shape: dict[str, int]) -> Mesh:
+    grid = np.array(list(devices)[: math.prod(shape.values())], dtype=object)
+    grid = grid.reshape(tuple(shape.values()))
+    return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def compile_candidate(step: Step, candidate: Candidate) -> Plan:
+    """Lowers and compiles ``step`` laid out as ``candidate``; a `Plan` with the
+    measured figures and the predicted time, or with ``reason`` set if it cannot be
+    built (shapes that do not divide, a compiler error)."""
+    specs, problems = in_shardings(step, candidate)
+    base = {
+        "layout": candidate.layout,
+        "mesh_shape": dict(candidate.mesh_shape),
+        "in_shardings": specs,
+        "compiler": step.compiler,
+        "accelerator": step.accelerator.name,
+        "options": step.options,
+    }
+    failed = {"memory": None, "fits": False, "flops": 0.0, "collectives": {}, "time": None}
+    if problems:
+        shown = "; ".join(problems[:3])
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        return Plan(**base, **failed, reason=f"shapes do not divide: {shown}{more}")
+    mesh = make_mesh(step.devices, dict(candidate.mesh_shape))
+    bound = bind(specs, mesh)
+    dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
+    start = time.perf_counter()
+    try:
+        lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - any compiler error is this candidate's reason
+        message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return Plan(**base, **failed, reason=f"could not be compiled: {message}")
+    seconds = time.perf_counter() - start
+    notes = list(step.notes)
+    n = math.prod(candidate.mesh_shape.values())
+    text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    flops = float((cost or {}).get("flops", 0.0))
+    accessed = float((cost or {}).get("bytes accessed", 0.0))
+    state = state_bytes(step, candidate, specs)
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return Plan(**base, **failed, reason=f"{step.compiler} compiler gives no memory_analysis")
+    memory = Memory(
+        state=state,
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        alias=int(stats.alias_size_in_bytes),
+        temp=int(stats.temp_size_in_bytes),
+    )
+    if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
+        flops = _hlo.dot_flops(text)
+        accessed = float(memory.arguments + memory.outputs + 2 * memory.temp)
+        notes.append(
+            f"the {step.compiler} compiler gives no cost_analysis: FLOPs are the optimized "
+            "program's matmuls; bytes accessed, its arguments, outputs and twice its temporaries"
+        )
+    notes += check_memory(memory, flops)
+    if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
+        memory = dataclasses.replace(memory, arguments=state)
+    found = _hlo.collectives(text, n)
+    predicted = predict(flops, accessed, found, candidate.mesh_shape, step.accelerator, step.dtype)
+    fits = memory.peak <= step.limit
+    reason = None
+    if not fits:
+        reason = (
+            f"needs {memory.peak:,} bytes per device, {memory.peak - step.limit:,} more than "
+            f"the limit of {step.limit:,}"
+        )
+    return Plan(
+        **base,
+        memory=memory,
+        fits=fits,
+        flops=flops,
+        collectives=_hlo.summary(found),
+        time=predicted,
+        reason=reason,
+        notes=tuple(notes),
+        compile_seconds=seconds,
+        detail=tuple(found),
+    )
+
+
+def check_memory(memory: Memory, flops: float) -> list[str]:
+    """Caveats where ``memory_analysis`` is not to be trusted as it stands."""
+    notes = []
+    if memory.arguments < memory.state:
+        notes.append(
+            f"memory_analysis gave {memory.arguments:,} argument bytes, fewer than the state's "
+            f"{memory.state:,}: the state's are used"
+        )
+    if memory.temp == 0 and flops > 0:
+        notes.append("memory_analysis gave no temporaries: the peak is a lower bound")
+    return notes

@@ -1,0 +1,184 @@
+"""The candidate layouts: every layout on every factorisation of N, and the
+PartitionSpec each one gives every Variable and every data argument.
+
+A layout is a rule per Variable:
+
+- ``dp``: everything replicated, the batch split over ``data``.
+- ``zero1``: parameters replicated, optimizer state (``nnx.OptState`` Variables) split
+  over ``data`` on its largest dimension ``data`` divides.
+- ``fsdp``: every Variable split over ``fsdp`` on its largest dimension ``fsdp`` divides.
+- ``tp``: the tensor-parallel split over ``model`` (Megatron pairs, see `tp_specs`).
+- ``dp+tp``, ``fsdp+tp``: both, on a 2-D mesh; FSDP takes the largest free dimension.
+
+Data arguments (arrays) have their leading dimension split over the data-parallel
+axes (``data``, ``fsdp``); with neither (``tp``) they are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
+
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+Path: TypeAlias = tuple[Any, ...]
+Rules: TypeAlias = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
+
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "dp": ("data",),
+    "zero1": ("data",),
+    "fsdp": ("fsdp",),
+    "tp": ("model",),
+    "dp+tp": ("data", "model"),
+    "fsdp+tp": ("fsdp", "model"),
+}
+"""Each layout's mesh axes, in mesh order (``model`` innermost: inside a node)."""
+DATA_AXES = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A layout on a mesh shape, e.g. ``Candidate('dp+tp', {'data': 2, 'model': 4})``."""
+
+    layout: str
+    mesh_shape: Mapping[str, int]
+
+    @property
+    def label(self) -> str:
+        axes = "×".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        return f"{self.layout} ({axes})"
+
+
+def candidates(n: int, layouts: Sequence[str] | None = None) -> list[Candidate]:
+    """Every layout on every factorisation of ``n`` devices (2-D layouts: each split
+    ``d × m = n`` with both at least 2); one ``dp`` candidate for a single device.
+
+    >>> [c.label for c in candidates(4, ['dp', 'dp+tp'])]
+    ['dp (data=4)', 'dp+tp (data=2×model=2)']
+    """
+    chosen = list(LAYOUTS) if layouts is None else list(layouts)
+    if n == 1:
+        return [Candidate(chosen[0] if chosen[0] in ("dp", "fsdp") else "dp", {"data": 1})]
+    out = []
+    for layout in chosen:
+        axes = LAYOUTS[layout]
+        if len(axes) == 1:
+            out.append(Candidate(layout, {axes[0]: n}))
+            continue
+        for m in range(2, n // 2 + 1):
+            if n % m == 0:
+                out.append(Candidate(layout, {axes[0]: n // m, axes[1]: m}))
+    return out
+
+
+def shard_largest(shape: Sequence[int], spec: Sequence[Any], axis: str, size: int) -> tuple:
+    """``spec`` (padded to the rank) with ``axis`` on the largest free dimension ``size``
+    divides (the first of equals); unchanged where none does."""
+    spec = list(spec) + [None] * (len(shape) - len(spec))
+    free = [d for d, n in enumerate(shape) if spec[d] is None and n % size == 0 and n >= size]
+    if free and size > 1:
+        best = max(free, key=lambda d: (shape[d], -d))
+        spec[best] = axis
+    return tuple(spec)
+
+
+def _trim(spec: Sequence[Any]) -> P:
+    spec = list(spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+def metadata_tp(
+    variables: Sequence[tuple[Path, nnx.Variable]], rules: Rules | None, axis: str = "model"
+) -> dict[Path, P] | None:
+    """Tensor-parallel specs from the Variables' sharding metadata (``out_sharding``),
+    logical names mapped by ``rules`` (names taken as mesh axes without rules); only
+    ``axis`` is kept. None when no Variable's metadata names ``axis``."""
+    mapping = None if rules is None else dict(rules)
+    out: dict[Path, P] = {}
+    for path, var in variables:
+        declared = var.get_metadata().get("out_sharding")
+        if not declared or not isinstance(declared, (tuple, P)):
+            continue
+        entries = []
+        for name in declared:
+            mapped = name if mapping is None else mapping.get(name) if name is not None else None
+            names = mapped if isinstance(mapped, tuple) else (mapped,)
+            entries.append(axis if axis in names else None)
+        out[path] = _trim(entries)
+    return out if any(axis in tuple(s) for s in out.values()) else None
+
+
+def mirror(specs: Mapping[Path, P], variables: Sequence[tuple[Path, nnx.Variable]]) -> dict:
+    """``specs`` completed for Variables it lacks, from the Variable whose path is the
+    longest suffix of theirs with the same shape (adam's ``mu``/``nu`` mirror the
+    parameters: ``('opt_state', 0, 'mu', 'up')`` takes ``('up',)``'s spec)."""
+    out = dict(specs)
+    shapes = {p: _shape(v) for p, v in variables}
+    for path, var in variables:
+        if path in out:
+            continue
+        for k in range(1, len(path)):
+            tail = path[k:]
+            if tail in specs and shapes.get(tail) == _shape(var):
+                out[path] = specs[tail]
+                break
+    return out
+
+
+def _shape(var: nnx.Variable) -> tuple[int, ...]:
+    return tuple(getattr(var.get_value(), "shape", ()))
+
+
+def node_specs(
+    candidate: Candidate,
+    variables: Sequence[tuple[Path, nnx.Variable]],
+    tp: Mapping[Path, P] | None,
+    where: str,
+) -> tuple[dict[Path, P], list[str]]:
+    """Each Variable's PartitionSpec under ``candidate``, and the problems found
+    (a tensor-parallel split its dimension does not divide)."""
+    mesh = candidate.mesh_shape
+    layout = candidate.layout
+    specs: dict[Path, P] = {}
+    problems: list[str] = []
+    for path, var in variables:
+        shape = _shape(var)
+        spec: tuple = (None,) * len(shape)
+        if "model" in mesh and tp is not None and path in tp:
+            spec = tuple(tp[path]) + (None,) * (len(shape) - len(tp[path]))
+            for dim, entry in enumerate(spec):
+                if entry is not None and shape[dim] % mesh["model"]:
+                    problems.append(
+                        f"{where}{_path(path)}: dimension {dim} ({shape[dim]}) is not "
+                        f"divisible by 'model' ({mesh['model']})"
+                    )
+        if "fsdp" in mesh:
+            spec = shard_largest(shape, spec, "fsdp", mesh["fsdp"])
+        elif layout == "zero1" and isinstance(var, nnx.OptState):
+            spec = shard_largest(shape, spec, "data", mesh["data"])
+        specs[path] = _trim(spec)
+    return specs, problems
+
+
+def data_spec(candidate: Candidate, shape: Sequence[int], where: str) -> tuple[P, str | None]:
+    """A data argument's spec: leading dimension over the data-parallel axes."""
+    axes = tuple(a for a in DATA_AXES if a in candidate.mesh_shape)
+    if not axes or not shape:
+        return P(), None
+    size = math.prod(candidate.mesh_shape[a] for a in axes)
+    if shape[0] % size:
+        named = ",".join(f"{a}={candidate.mesh_shape[a]}" for a in axes)
+        return P(), (
+            f"{where}: leading dimension {shape[0]} (the batch) is not divisible by the "
+            f"data-parallel axes {named} ({size})"
+        )
+    return P(axes[0] if len(axes) == 1 else axes), None
+
+
+def _path(path: Path) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)

@@ -1,0 +1,145 @@
+"""`Plan`: one candidate layout, compiled, with its memory, cost and predicted time."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._jit import JitWrapped, jit
+from .._sharding import StateSharding
+from ._cost import Memory, Time, format_bytes, format_seconds
+from ._hlo import Collective
+
+InShardings: TypeAlias = tuple[Any, ...]
+"""One entry per positional argument: a `StateSharding` of PartitionSpecs for a graph
+node, a PartitionSpec (or a pytree of them) for arrays, None for anything else."""
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class Plan:
+    """One layout of a step on ``N`` devices, compiled (never run), measured and costed.
+
+    Attributes:
+      layout: ``'dp'``, ``'zero1'``, ``'fsdp'``, ``'tp'``, ``'dp+tp'`` or ``'fsdp+tp'``.
+      mesh_shape: mesh axis name -> size, in mesh order (``model`` innermost).
+      in_shardings: one entry per positional argument (see `InShardings`); PartitionSpecs,
+        bound to a mesh by `jit`.
+      memory: per-device bytes (`Memory`); None if it could not be compiled.
+      fits: whether ``memory.peak`` is within the memory limit.
+      flops: FLOPs per device per step.
+      collectives: kind -> bytes per device per step (the full arrays reduced or
+        gathered, before any ring factor), kinds named as in HLO.
+      time: the predicted `Time`; None if it could not be compiled.
+      reason: why it does not fit or could not be built; None otherwise.
+      compiler: whose figures these are: ``'tpu'``, ``'gpu'`` or ``'cpu'`` (simulated).
+      accelerator: the accelerator's name.
+      notes: caveats about the figures (e.g. a compiler's report that was corrected).
+      compile_seconds: the wall time of lowering and compiling.
+      measured: seconds per step measured by `Plans.measure` (None until then).
+    """
+
+    layout: str
+    mesh_shape: Mapping[str, int]
+    in_shardings: InShardings
+    memory: Memory | None
+    fits: bool
+    flops: float
+    collectives: Mapping[str, int]
+    time: Time | None
+    reason: str | None
+    compiler: str
+    accelerator: str
+    notes: tuple[str, ...] = ()
+    compile_seconds: float = 0.0
+    measured: float | None = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    detail: tuple[Collective, ...] = dataclasses.field(default=(), repr=False)
+
+    def __repr__(self) -> str:
+        if self.memory is None or self.time is None:
+            return f"Plan({self.label}: {self.reason})"
+        fits = "fits" if self.fits else "does not fit"
+        return (
+            f"Plan({self.label}: step {format_seconds(self.time.step)}, peak "
+            f"{format_bytes(self.memory.peak)} per device, {fits})"
+        )
+
+    @property
+    def devices(self) -> int:
+        """The number of devices, the product of the mesh's sizes."""
+        return math.prod(self.mesh_shape.values())
+
+    @property
+    def label(self) -> str:
+        """``'dp+tp (data=2×model=4)'``."""
+        axes = "×".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        return f"{self.layout} ({axes})"
+
+    def mesh(self, devices: Any = None) -> Mesh:
+        """A mesh of ``AxisType.Auto`` axes over the first ``N`` devices present (or over
+        ``devices``), shaped by `mesh_shape`.
+
+        Raises:
+          ValueError: fewer devices than the plan needs, saying how to get them.
+        """
+        pool = list(jax.devices() if devices is None else devices)
+        n = self.devices
+        if len(pool) < n:
+            raise ValueError(
+                f"Plan.mesh: the plan {self.label} needs {n} devices and jax has "
+                f"{len(pool)}. Fixes: 1. run it where there are {n} devices; 2. to run it on "
+                f"simulated CPU devices, set the environment variables JAX_PLATFORMS=cpu "
+                f"and JAX_NUM_CPU_DEVICES={n} before jax is imported."
+            )
+        grid = np.array(pool[:n], dtype=object).reshape(tuple(self.mesh_shape.values()))
+        return Mesh(grid, tuple(self.mesh_shape), axis_types=(AxisType.Auto,) * len(grid.shape))
+
+    def shardings(self, mesh: Mesh | None = None) -> InShardings:
+        """`in_shardings` with every PartitionSpec made a ``NamedSharding`` on ``mesh``
+        (default: `mesh()`)."""
+        return bind(self.in_shardings, self.mesh() if mesh is None else mesh)
+
+    def jit(
+        self, fun: Callable[..., Any], *, mesh: Mesh | None = None, **options: Any
+    ) -> JitWrapped:
+        """``nnx_sharding.jit(fun, in_shardings=...)`` laid out as this plan says.
+
+        ``options`` (``donate_argnums``, ...) default to those given to `plan`. Graph
+        nodes' updated state keeps its input sharding; the outputs are left to jax.
+        """
+        options = {**self.options, **options}
+        static = options.get("static_argnums", ())
+        static = {static} if isinstance(static, int) else set(static or ())
+        shardings = self.shardings(mesh)
+        dynamic = tuple(s for i, s in enumerate(shardings) if i not in static)
+        return jit(fun, in_shardings=dynamic, **options)
+
+
+def bind(in_shardings: InShardings, mesh: Mesh) -> InShardings:
+    """PartitionSpecs (also inside StateShardings) made NamedShardings on ``mesh``."""
+
+    def one(entry: Any) -> Any:
+        if isinstance(entry, StateSharding):
+            return StateSharding(
+                [
+                    (f, NamedSharding(mesh, s) if isinstance(s, P) else s)
+                    for f, s in zip(entry.filters, entry.shardings, strict=True)
+                ]
+            )
+        return jax.tree.map(
+            lambda s: NamedSharding(mesh, s), entry, is_leaf=lambda x: isinstance(x, P)
+        )
+
+    return tuple(one(e) for e in in_shardings)
+
+
+def shortfall(plan: Plan, limit: int) -> int:
+    """Bytes by which ``plan``'s peak exceeds ``limit`` (0 if it fits)."""
+    return 0 if plan.memory is None else max(0, plan.memory.peak - limit)
