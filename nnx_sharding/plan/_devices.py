@@ -112,12 +112,25 @@ def default_tpu_topology(generation: str, chips: int) -> list[str]:
 
 
 @functools.cache
-def _tpu_topology(name: str, num_slices: int) -> tuple[jax.Device, ...]:
+def _tpu_topology(
+    name: str, num_slices: int, host: tuple[int, ...] | None = None
+) -> tuple[jax.Device, ...]:
     from jax.experimental import topologies
 
-    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    kwargs: dict[str, object] = {"num_slices": num_slices} if num_slices > 1 else {}
+    if host is not None:
+        kwargs["chips_per_host_bounds"] = list(host)
     with quiet_plugins():
         return tuple(topologies.get_topology_desc(name, "tpu", **kwargs).devices)
+
+
+def _small_slice(accelerator: Accelerator, name: str) -> tuple[int, ...] | None:
+    """A slice of at most one host's chips as a host of its own (``v5e:1x1``, ``v5e:1x2``,
+    which the TPU compiler's default host of 2x2 chips does not divide), else None."""
+    dims = [int(d) for d in name.partition(":")[2].split("x") if d.isdigit()]
+    if not dims or math.prod(dims) > accelerator.devices_per_node:
+        return None
+    return tuple(dims + [1] * (3 - len(dims)))
 
 
 @functools.cache
@@ -210,8 +223,14 @@ def _tpu_devices(
         try:
             devices = _tpu_topology(name, num_slices)
         except Exception as e:  # the TPU compiler rejects this layout: try the next
-            failures.append(f"{name}: {_first(e)}")
-            continue
+            host = _small_slice(accelerator, name)
+            try:
+                if host is None:
+                    raise
+                devices = _tpu_topology(name, num_slices, host)
+            except Exception:
+                failures.append(f"{name}: {_first(e)}")
+                continue
         if len(devices) < n:
             raise ValueError(
                 _errors.plan_bad_tpu_topology(
