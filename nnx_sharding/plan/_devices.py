@@ -9,26 +9,21 @@ by a ``stream_executor.GpuTargetConfigProto`` in text format, shipped here as pa
 data (``gpu_targets/*.txtpb``) per GPU preset.
 
 The plugins print their initialisation errors (no driver, no TPU host) on stderr; the
-calls here run with stderr and jax's plugin logging silenced.
+calls here run with stderr and jax's plugin logging silenced (`nnx_sharding._quiet`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.resources
 import importlib.util
-import io
-import logging
 import math
-import os
-import sys
-import tempfile
 from collections.abc import Iterator
 
 import jax
 
 from .. import _errors
+from .._quiet import quiet
 from ._accelerator import Accelerator, resolve_accelerator
 
 __all__ = ["compile_devices", "default_tpu_topology", "has_gpu_compiler", "has_tpu_compiler"]
@@ -40,30 +35,6 @@ GPU_TARGETS = ("h100", "h200", "a100-80gb", "b200")
 
 # Torus dimensions of the TPU generations get_topology_desc knows (2-D: v5e, v6e).
 _TPU_DIMS = {"v5e": 2, "v6e": 2, "v5p": 3, "v4": 3}
-
-_NOISY_LOGGERS = ("jax._src.xla_bridge", "jax._src.compiler", "jax_plugins", "absl")
-
-
-@contextlib.contextmanager
-def quiet_plugins() -> Iterator[None]:
-    """Runs its block with file descriptor 2, ``sys.stderr`` and jax's plugin loggers
-    silenced: where the TPU and GPU plugins write their initialisation errors."""
-    sys.stderr.flush()
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            for logger in loggers:
-                logger.setLevel(logging.CRITICAL + 1)
-            with contextlib.redirect_stderr(io.StringIO()):
-                yield
-        finally:
-            for logger, level in zip(loggers, levels, strict=True):
-                logger.setLevel(level)
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def has_tpu_compiler() -> bool:
@@ -120,7 +91,7 @@ def _tpu_topology(
     kwargs: dict[str, object] = {"num_slices": num_slices} if num_slices > 1 else {}
     if host is not None:
         kwargs["chips_per_host_bounds"] = list(host)
-    with quiet_plugins():
+    with quiet():
         return tuple(topologies.get_topology_desc(name, "tpu", **kwargs).devices)
 
 
@@ -138,7 +109,7 @@ def _gpu_topology(name: str, topology: str) -> tuple[jax.Device, ...]:
     from jax.experimental import topologies
 
     text = gpu_target_config(name)
-    with quiet_plugins():
+    with quiet():
         return tuple(
             topologies.get_topology_desc(
                 platform="cuda", target_config=text, topology=topology
@@ -252,7 +223,7 @@ def _tpu_devices(
 
 
 def _cpu_devices(n: int) -> list[jax.Device]:
-    with quiet_plugins():  # the first call starts every backend jax finds
+    with quiet():  # the first call starts every backend jax finds
         devices = jax.devices("cpu")
     if len(devices) < n:
         raise ValueError(_errors.plan_too_few_cpu_devices(n, len(devices)))
