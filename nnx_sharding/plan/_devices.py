@@ -19,6 +19,7 @@ import importlib.resources
 import importlib.util
 import math
 from collections.abc import Iterator
+from typing import Literal
 
 import jax
 
@@ -28,7 +29,7 @@ from ._accelerator import Accelerator, resolve_accelerator
 
 __all__ = ["compile_devices", "default_tpu_topology", "has_gpu_compiler", "has_tpu_compiler"]
 
-Compiler = str  # "tpu" | "gpu" | "cpu"
+Compiler = Literal["tpu", "gpu", "cpu"]
 
 #: GPU presets with a target description under gpu_targets/ (file name: preset + .txtpb).
 GPU_TARGETS = ("h100", "h200", "a100-80gb", "b200")
@@ -45,7 +46,10 @@ def has_tpu_compiler() -> bool:
 def has_gpu_compiler() -> bool:
     """Whether jax's CUDA plugin (the ``nnx_sharding[gpu]`` extra) is installed."""
     try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+        return all(
+            importlib.util.find_spec(name) is not None
+            for name in ("jax_plugins.xla_cuda12", "jax_cuda12_plugin")
+        )
     except ModuleNotFoundError:
         return False
 
