@@ -8,6 +8,7 @@ the package imports neither.
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _quiet  # noqa: F401  (first: jax starts without the plugins' noise)
 from ._export import Exported as Exported
 from ._export import deserialize as deserialize
 from ._export import export as export

@@ -104,7 +104,7 @@ class Accelerator:
                 f"(latencies may be 0): {', '.join(bad)}."
             )
         # A read-only copy: the preset objects are shared by every caller.
-        object.__setattr__(self, "flops", MappingProxyType(dict(self.flops)))
+        object.__setattr__(self, "flops", _ReadOnlyDict(self.flops))
 
     def peak_flops(self, dtype: object = "bfloat16") -> float:
         """Peak dense FLOP/s for matmuls in ``dtype`` (a name or anything `numpy.dtype` takes).
@@ -123,6 +123,19 @@ class Accelerator:
             if alias in self.flops:
                 return float(self.flops[alias])
         return float(min(self.flops.values()))
+
+
+class _ReadOnlyDict(dict):
+    """A dict that refuses changes (and still copies, pickles and compares as a dict)."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("Accelerator.flops is read-only: use dataclasses.replace(..., flops=...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+    __ior__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, float]]]:
+        return (_ReadOnlyDict, (dict(self),))
 
 
 _FALLBACKS: dict[str, tuple[str, ...]] = {

@@ -9,61 +9,33 @@ by a ``stream_executor.GpuTargetConfigProto`` in text format, shipped here as pa
 data (``gpu_targets/*.txtpb``) per GPU preset.
 
 The plugins print their initialisation errors (no driver, no TPU host) on stderr; the
-calls here run with stderr and jax's plugin logging silenced.
+calls here run with stderr and jax's plugin logging silenced (`nnx_sharding._quiet`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.resources
 import importlib.util
-import io
-import logging
 import math
-import os
-import sys
-import tempfile
 from collections.abc import Iterator
+from typing import Literal
 
 import jax
 
 from .. import _errors
+from .._quiet import quiet
 from ._accelerator import Accelerator, resolve_accelerator
 
 __all__ = ["compile_devices", "default_tpu_topology", "has_gpu_compiler", "has_tpu_compiler"]
 
-Compiler = str  # "tpu" | "gpu" | "cpu"
+Compiler = Literal["tpu", "gpu", "cpu"]
 
 #: GPU presets with a target description under gpu_targets/ (file name: preset + .txtpb).
 GPU_TARGETS = ("h100", "h200", "a100-80gb", "b200")
 
 # Torus dimensions of the TPU generations get_topology_desc knows (2-D: v5e, v6e).
 _TPU_DIMS = {"v5e": 2, "v6e": 2, "v5p": 3, "v4": 3}
-
-_NOISY_LOGGERS = ("jax._src.xla_bridge", "jax._src.compiler", "jax_plugins", "absl")
-
-
-@contextlib.contextmanager
-def quiet_plugins() -> Iterator[None]:
-    """Runs its block with file descriptor 2, ``sys.stderr`` and jax's plugin loggers
-    silenced: where the TPU and GPU plugins write their initialisation errors."""
-    sys.stderr.flush()
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            for logger in loggers:
-                logger.setLevel(logging.CRITICAL + 1)
-            with contextlib.redirect_stderr(io.StringIO()):
-                yield
-        finally:
-            for logger, level in zip(loggers, levels, strict=True):
-                logger.setLevel(level)
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def has_tpu_compiler() -> bool:
@@ -74,7 +46,10 @@ def has_tpu_compiler() -> bool:
 def has_gpu_compiler() -> bool:
     """Whether jax's CUDA plugin (the ``nnx_sharding[gpu]`` extra) is installed."""
     try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+        return all(
+            importlib.util.find_spec(name) is not None
+            for name in ("jax_plugins.xla_cuda12", "jax_cuda12_plugin")
+        )
     except ModuleNotFoundError:
         return False
 
@@ -112,12 +87,25 @@ def default_tpu_topology(generation: str, chips: int) -> list[str]:
 
 
 @functools.cache
-def _tpu_topology(name: str, num_slices: int) -> tuple[jax.Device, ...]:
+def _tpu_topology(
+    name: str, num_slices: int, host: tuple[int, ...] | None = None
+) -> tuple[jax.Device, ...]:
     from jax.experimental import topologies
 
-    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
-    with quiet_plugins():
+    kwargs: dict[str, object] = {"num_slices": num_slices} if num_slices > 1 else {}
+    if host is not None:
+        kwargs["chips_per_host_bounds"] = list(host)
+    with quiet():
         return tuple(topologies.get_topology_desc(name, "tpu", **kwargs).devices)
+
+
+def _small_slice(accelerator: Accelerator, name: str) -> tuple[int, ...] | None:
+    """A slice of at most one host's chips as a host of its own (``v5e:1x1``, ``v5e:1x2``,
+    which the TPU compiler's default host of 2x2 chips does not divide), else None."""
+    dims = [int(d) for d in name.partition(":")[2].split("x") if d.isdigit()]
+    if not dims or math.prod(dims) > accelerator.devices_per_node:
+        return None
+    return tuple(dims + [1] * (3 - len(dims)))
 
 
 @functools.cache
@@ -125,7 +113,7 @@ def _gpu_topology(name: str, topology: str) -> tuple[jax.Device, ...]:
     from jax.experimental import topologies
 
     text = gpu_target_config(name)
-    with quiet_plugins():
+    with quiet():
         return tuple(
             topologies.get_topology_desc(
                 platform="cuda", target_config=text, topology=topology
@@ -210,8 +198,14 @@ def _tpu_devices(
         try:
             devices = _tpu_topology(name, num_slices)
         except Exception as e:  # the TPU compiler rejects this layout: try the next
-            failures.append(f"{name}: {_first(e)}")
-            continue
+            host = _small_slice(accelerator, name)
+            try:
+                if host is None:
+                    raise
+                devices = _tpu_topology(name, num_slices, host)
+            except Exception:
+                failures.append(f"{name}: {_first(e)}")
+                continue
         if len(devices) < n:
             raise ValueError(
                 _errors.plan_bad_tpu_topology(
@@ -233,7 +227,7 @@ def _tpu_devices(
 
 
 def _cpu_devices(n: int) -> list[jax.Device]:
-    with quiet_plugins():  # the first call starts every backend jax finds
+    with quiet():  # the first call starts every backend jax finds
         devices = jax.devices("cpu")
     if len(devices) < n:
         raise ValueError(_errors.plan_too_few_cpu_devices(n, len(devices)))

@@ -212,7 +212,11 @@ class _Analysis:
             for x in ins:
                 for out in outs:
                     self.same_dims(x, out)
-            if name in _LAYOUT_OPS:
+            # A weight scaled, cast or combined with other weights is still a weight
+            # (``w * scale``, a masked or merged kernel); one mixed with activations is not.
+            if name in _LAYOUT_OPS or all(
+                x in self.weights or _ndim(x) == 0 for x in ins if _is_var(x)
+            ):
                 self.weight_view(ins, outs)
         else:  # gather, scatter, fft, random, ...: this analysis does not follow it
             for x in ins:

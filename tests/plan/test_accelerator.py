@@ -84,3 +84,14 @@ def test_unknown_names_and_bad_topologies_say_what_is_accepted():
         resolve_accelerator("v5e:2xfour")
     with pytest.raises(TypeError, match="got int"):
         resolve_accelerator(5)  # type: ignore[arg-type]
+
+
+def test_accelerators_copy_and_pickle():
+    import copy
+    import pickle
+
+    a = PRESETS["v5p"]
+    assert pickle.loads(pickle.dumps(a)) == a == copy.deepcopy(a)
+    assert dict(a.flops) == {"bfloat16": 459e12, "float32": 459e12, "int8": 918e12}
+    with pytest.raises(TypeError, match="read-only"):
+        copy.deepcopy(a).flops.update(bfloat16=1.0)

@@ -143,6 +143,9 @@ def test_tpu_topologies_give_compile_only_chips(capfd):
     assert len(compile_devices("v5p", 16)[0]) == 16  # the squarest slice: 2x2x4
     two, _, _ = compile_devices("v5e:2x4", 16, num_slices=2)
     assert sorted({d.slice_index for d in two}) == [0, 1]
+    one, _, note = compile_devices("v5e", 1)  # a slice smaller than a host: its own host
+    assert (len(one), note) == (1, None)
+    assert len(compile_devices("v6e:1x2", 2)[0]) == len(compile_devices("v5p", 2)[0]) == 2
     four, _, note = compile_devices("v5e:2x4", 4)
     assert note == "planned for the first 4 of v5e:2x4's 8 chips"
     with pytest.raises(ValueError, match="rejects it: INVALID_ARGUMENT"):

@@ -225,3 +225,20 @@ def test_compiled_block_forward_needs_one_all_reduce_per_sublayer():
     x = jax.ShapeDtypeStruct((2, 8, D), jnp.float32)
     specs, _ = tensor_parallel_specs(forward, (block, x), {})
     assert _compiled_forward_collectives(block, x, specs) == ["all-reduce", "all-reduce"]
+
+
+def test_a_scaled_or_cast_kernel_is_still_a_weight():
+    class Scaled(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Param(jnp.zeros((D, F)))
+            self.gain = nnx.Param(jnp.ones((F,)))
+            self.down = nnx.Param(jnp.zeros((F, D)))
+
+        def __call__(self, x):
+            up = (self.up[...] * self.gain[...]).astype(jnp.bfloat16)  # weight-norm style
+            h = jax.nn.relu(x.astype(jnp.bfloat16) @ up)
+            return h @ (self.down[...] * 0.5).astype(jnp.bfloat16)
+
+    model = nnx.eval_shape(lambda: Scaled(nnx.Rngs(0)))
+    specs, _ = tensor_parallel_specs(forward, (model, jax.ShapeDtypeStruct((4, D), "float32")), {})
+    assert specs == {("up",): P(None, "model"), ("gain",): P("model"), ("down",): P("model", None)}
