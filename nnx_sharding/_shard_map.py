@@ -65,7 +65,8 @@ from ._sharding import (
     is_prefix_leaf,
     prefixes,
 )
-from ._tree import SimpleCall, SimpleTraced, check_prefix, resolve_mode, unique_leaves
+from ._stages import Traced
+from ._tree import SimpleCall, check_prefix, resolve_mode, unique_leaves
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -533,10 +534,10 @@ class SimpleShardMapFn(ShardMapFn[P, R]):
         out, _ = jax.eval_shape(self.inner, *args, **kwargs)
         return self._call.finish(out)
 
-    def trace(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Traces for these arguments (under ``jax.jit``); see `jax.stages.Traced`."""
         args, kwargs, _ = self._call.prepare(args, kwargs, not self.graph)
-        return SimpleTraced(jax.jit(self.inner).trace(*args, **kwargs), self._call, ())
+        return Traced(jax.jit(self.inner).trace(*args, **kwargs), self._call)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
