@@ -13,7 +13,7 @@ node as an ``nnx.State`` (arguments) or as a module (outputs).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -189,7 +189,7 @@ def arrange(
     plan: CallPlan,
     sites: Sequence[Site],
     values: Sequence[Any],
-    to_state: Callable[[Iterable[tuple[Any, Any]]], nnx.State] = nnx.from_flat_state,
+    to_state: Callable[[list[tuple[Any, Any]]], Any] = nnx.from_flat_state,
 ) -> Any:
     """Per-leaf values -> the caller's ``(args, kwargs)``; graph nodes become States."""
     call_leaves = [
@@ -365,7 +365,7 @@ class PlanBinding:
 
     def arguments(self, infos: Any) -> Any:
         donated, kept = infos[0]
-        return arrange(self.plan, self.sites, self.plan.join(donated, kept))
+        return arrange(self.plan, self.sites, self.plan.join(donated, kept), _state_or_value)
 
     def outputs(self, member: Any, inputs: Callable[[], list[Any]]) -> Any:
         return merge_new(self._join(inputs()), *member)
@@ -378,6 +378,14 @@ class PlanBinding:
 
     def runner(self, compiled: Any, waits: bool) -> Callable[..., Any]:
         return _PlanRunner(self, compiled, waits)
+
+
+def _state_or_value(pairs: list[tuple[Any, Any]]) -> Any:
+    """A graph node's ``(path, value)`` pairs as an ``nnx.State``; a Variable argument
+    (its one value at the empty path) as that value."""
+    if [path for path, _ in pairs] == [()]:
+        return pairs[0][1]
+    return nnx.from_flat_state(pairs)
 
 
 class _PlanRunner:

@@ -378,7 +378,9 @@ class SimpleCall:
     def arguments(self, infos: Any) -> Any:
         """jax's ``args_info`` -> the caller's ``(args, kwargs)``, each graph node as an
         ``nnx.State`` of ``ArgInfo`` by path (as on the full path)."""
-        return jax.tree.map(_as_state, self.finish(infos), is_leaf=_is_node_or_variable)
+        if self.graph:  # each node's own leaves, as jax flattened them
+            return jax.tree.map(_node_state, infos, is_leaf=lambda x: isinstance(x, TreeNode))
+        return jax.tree.map(_as_state, infos, is_leaf=_is_node_or_variable)
 
     def outputs(self, member: Any, inputs: Callable[[], list[Any]]) -> Any:
         """A member in the program's ``(output, updates)`` structure -> the output's,
@@ -392,10 +394,23 @@ class SimpleCall:
         return lambda *args, **kwargs: self.run(compiled, args, kwargs)
 
 
+def _node_state(x: Any) -> Any:
+    """A `TreeNode` whose Variables hold per-Variable values -> an ``nnx.State`` of
+    those values by path (a Variable: its value); anything else as it is."""
+    if not isinstance(x, TreeNode):
+        return x
+    values = [v.get_value() if isinstance(v, nnx.Variable) else v for v in x.leaves]
+    if list(x.paths) == [()]:
+        return values[0]
+    return nnx.from_flat_state(list(zip(x.paths, values, strict=True)))
+
+
 def _as_state(x: Any) -> Any:
     """A graph node whose Variables hold per-Variable values -> an ``nnx.State`` of
-    those values by path; anything else as it is."""
-    if isinstance(x, nnx.Variable) or not _is_node_or_variable(x):
+    those values by path, a Variable its value; anything else as it is."""
+    if isinstance(x, nnx.Variable):
+        return x.get_value()
+    if not _is_node_or_variable(x):
         return x
     flat = nnx.to_flat_state(nnx.state(x))
     return nnx.from_flat_state([(path, v.get_value()) for path, v in flat])

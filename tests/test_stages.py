@@ -738,3 +738,24 @@ def test_simple_path_output_members_have_the_structure_of_jax_jits(stage, mode):
         assert jax.tree.structure(got) == ours.out_tree, member
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             assert _equivalent(a, b), (member, a, b)
+
+
+ALL_MODES = {"graph": {}, **SIMPLE_MODES}
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_args_info_of_a_variable_argument_is_its_arg_info(mode):
+    variable = nnx.Param(jnp.ones(3))
+    traced = nnx_sharding.jit(lambda v, x: v[...] * x, **ALL_MODES[mode]).trace(variable, X[0, :3])
+    (info, x), kwargs = traced.args_info
+    assert isinstance(info, jax.stages.ArgInfo) and info.shape == (3,)
+    assert x.shape == (3,) and kwargs == {}
+
+
+@pytest.mark.parametrize("mode", ["graph", "no-updates"])
+def test_args_info_of_a_shared_module_lists_its_variables_once(mode):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    f = nnx_sharding.jit(lambda a, b: a(jnp.ones(2)) + b(jnp.ones(2)), **ALL_MODES[mode])
+    (first, second), _ = f.trace(model, model).args_info
+    assert set(dict(nnx.to_flat_state(first))) == {("bias",), ("kernel",)}
+    assert dict(nnx.to_flat_state(second)) == {}
