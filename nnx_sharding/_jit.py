@@ -41,7 +41,7 @@ from ._sharding import (
     prefixes,
     variable_shardings,
 )
-from ._stages import Traced
+from ._stages import Lowered, Traced
 from ._tree import (
     SimpleCall,
     check_prefix,
@@ -248,7 +248,7 @@ class SimpleJitWrapped(JitWrapped[P, R]):
         args, kwargs, _ = self._call.prepare((*self._bound, *args), kwargs, not self.graph)
         return Traced(self._jitted.trace(*args, **kwargs), self._call)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
         return self.trace(*args, **kwargs).lower()
 

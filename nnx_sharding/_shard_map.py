@@ -61,7 +61,7 @@ from ._sharding import (
     is_prefix_leaf,
     prefixes,
 )
-from ._stages import Traced
+from ._stages import Lowered, Traced
 from ._tree import SimpleCall, check_prefix, resolve_mode, unique_leaves
 
 P = ParamSpec("P")
@@ -481,6 +481,6 @@ class SimpleShardMapFn(ShardMapFn[P, R]):
         args, kwargs, _ = self._call.prepare(args, kwargs, not self.graph)
         return Traced(jax.jit(self.inner).trace(*args, **kwargs), self._call)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
         return self.trace(*args, **kwargs).lower()

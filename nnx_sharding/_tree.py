@@ -313,7 +313,7 @@ def keep_variables(tree: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
-# the call, and its stages
+# the call, and its binding to the stages (`_stages.Binding`)
 
 
 class SimpleCall:
