@@ -26,7 +26,7 @@ from ._graph import (
     split_call,
 )
 from ._sharding import mismatched_shardings
-from ._stages import Lowered, Traced
+from ._stages import Lowered, PlanBinding, Traced
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -91,9 +91,8 @@ class CachedCall(Generic[P, R]):
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Traces for these arguments; see `jax.stages.Traced`."""
         plan, leaves, sites, traced = self._abstract("trace", args, kwargs)
-        out = Traced(traced, plan, sites, self._bound)
-        out._moved = mismatched_shardings(leaves, plan.shardings, sites, self.mesh)
-        return out
+        moved = mismatched_shardings(leaves, plan.shardings, sites, self.mesh)
+        return Traced(traced, PlanBinding(plan, sites, self._bound, moved))
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Traces and lowers for these arguments; see `jax.stages.Lowered`."""

@@ -41,9 +41,9 @@ from ._sharding import (
     prefixes,
     variable_shardings,
 )
+from ._stages import Lowered, Traced
 from ._tree import (
     SimpleCall,
-    SimpleTraced,
     check_prefix,
     resolve_mode,
     unique_leaves,
@@ -243,12 +243,12 @@ class SimpleJitWrapped(JitWrapped[P, R]):
         out, _ = self._jitted.eval_shape(*args, **kwargs)
         return self._call.finish(out)
 
-    def trace(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Traces for these arguments; see `jax.stages.Traced`."""
         args, kwargs, _ = self._call.prepare((*self._bound, *args), kwargs, not self.graph)
-        return SimpleTraced(self._jitted.trace(*args, **kwargs), self._call, self._bound)
+        return Traced(self._jitted.trace(*args, **kwargs), self._call)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
         return self.trace(*args, **kwargs).lower()
 

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence, Set
 from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
 
 import jax
-from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import keystr
 
@@ -34,7 +33,6 @@ from ._changes import graph_changes, graph_objects
 from ._graph import (
     CallPlan,
     CallSpec,
-    InnerSplit,
     Leaf,
     changed_inputs,
     changed_structure,
@@ -42,7 +40,6 @@ from ._graph import (
     merge_inputs,
     snapshots,
     split_inner,
-    unflatten_all,
     value_of,
 )
 from ._shard_map_layout import (
@@ -50,40 +47,26 @@ from ._shard_map_layout import (
     Flat,
     Specs,
     abstract,
-    as_state,
     axes_of,
+    group_outputs,
+    in_sites,
     jax_prefix,
     manual_part,
     misplaced,
     spec_of,
 )
 from ._sharding import (
-    FromState,
     StateSharding,
-    format_path,
     is_node,
     is_prefix_leaf,
     prefixes,
 )
-from ._tree import SimpleCall, SimpleTraced, check_prefix, resolve_mode, unique_leaves
+from ._stages import Lowered, Traced
+from ._tree import SimpleCall, check_prefix, resolve_mode, unique_leaves
 
 P = ParamSpec("P")
 R = TypeVar("R")
 Path: TypeAlias = tuple[Any, ...]
-
-
-def _in_sites(plan: CallPlan, leaves: Sequence[Leaf]) -> list[str]:
-    """The caller's name of each flat input leaf (``args[0].linear.kernel``); for errors."""
-    with nnx.merge_context() as ctx:
-        nodes = unflatten_all(ctx, plan.graphdefs, leaves, plan.sizes)
-    sites: list[str] = []
-    with nnx.split_context() as ctx:
-        for node, graphdef, where in zip(nodes, plan.graphdefs, plan.wheres, strict=True):
-            if graphdef is None:
-                sites.append(where)
-            else:
-                sites += [where + format_path(p) for p in ctx.flatten(node)[1].paths]
-    return sites
 
 
 class ShardMapFn(CachedCall[P, R]):
@@ -245,7 +228,7 @@ class ShardMapFn(CachedCall[P, R]):
                             graph_changes(objects, graph_objects(plan, call_leaves)),
                         )
                     )
-                grouped, order = self._group(split)
+                grouped, order = group_outputs(split, self._state_sharding_sites)
                 values = [value_of(x) for x in split.in_items]
                 changed = changed_inputs(plan, split.in_items, values, leaves, unplaced)
                 found.append((split.out_plan(changed), order))
@@ -267,7 +250,7 @@ class ShardMapFn(CachedCall[P, R]):
                 if "out_specs[" not in str(e):  # jax names a spec by our layout: rename it
                     raise
                 out_sites = {key: where for key, where, _ in self._out_spec_sites}
-                message = _errors.name_spec_paths(str(e), _in_sites(plan, leaves), out_sites)
+                message = _errors.name_spec_paths(str(e), in_sites(plan, leaves), out_sites)
                 if message == str(e):
                     raise
                 raise type(e)(message).with_traceback(e.__traceback__) from None
@@ -309,46 +292,6 @@ class ShardMapFn(CachedCall[P, R]):
         if not fit(jax.tree.leaves(outputs)):
             return None if inputs is None else (None, inputs, None)
         return (None, inputs, Flat(jax.tree.map(on_mesh, outputs), ()))
-
-    def _group(self, split: InnerSplit) -> tuple[Any, list[int]]:
-        """The output leaves arranged to match ``out_specs``, and their flat order.
-
-        Each graph node of the output becomes a tuple with one list of leaves per
-        filter of its StateSharding (one list for a plain spec).
-        """
-        nodes = {w for w, x in zip(split.out_wheres, split.out_leaves, strict=True) if is_node(x)}
-        if stray := [w for w in self._state_sharding_sites if w not in nodes]:
-            raise ValueError(_errors.state_sharding_above("shard_map", "out_specs", stray))
-        per_leaf: list[Any] = []
-        for leaf, entry in zip(split.out_leaves, split.out_entries, strict=True):
-            n = len(entry.filters) if isinstance(entry, StateSharding) else 1
-            per_leaf.append(tuple([] for _ in range(n)) if is_node(leaf) else None)
-        for j, (item, k, path) in enumerate(
-            zip(split.out_items, split.out_owner, split.out_paths, strict=True)
-        ):
-            entry = split.out_entries[k]
-            if per_leaf[k] is None:
-                per_leaf[k] = j
-            else:
-                assert path is not None  # a leaf of a graph node
-                group = (
-                    entry.index_for(
-                        path,
-                        item,
-                        transform="shard_map",
-                        argument="out_specs",
-                        where=split.out_wheres[k],
-                    )
-                    if isinstance(entry, StateSharding)
-                    else 0
-                )
-                per_leaf[k][group].append(j)
-        for k, entry in enumerate(split.out_entries):
-            if isinstance(entry, FromState) and per_leaf[k] is not None:
-                per_leaf[k] = as_state(entry, per_leaf[k], split.out_wheres[k])
-        indices = jax.tree_util.tree_unflatten(split.out_treedef, per_leaf)
-        values = [value_of(x) for x in split.out_items]
-        return jax.tree.map(lambda j: values[j], indices), jax.tree.leaves(indices)
 
 
 @overload
@@ -533,11 +476,11 @@ class SimpleShardMapFn(ShardMapFn[P, R]):
         out, _ = jax.eval_shape(self.inner, *args, **kwargs)
         return self._call.finish(out)
 
-    def trace(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Traces for these arguments (under ``jax.jit``); see `jax.stages.Traced`."""
         args, kwargs, _ = self._call.prepare(args, kwargs, not self.graph)
-        return SimpleTraced(jax.jit(self.inner).trace(*args, **kwargs), self._call, ())
+        return Traced(jax.jit(self.inner).trace(*args, **kwargs), self._call)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Traces and lowers for these arguments; see `jax.stages.Lowered`."""
         return self.trace(*args, **kwargs).lower()

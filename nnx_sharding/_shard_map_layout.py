@@ -7,6 +7,7 @@
 - Outputs: `Flat`, the output leaves in the order the `OutPlan` lists them, which cross
   jit's boundary as the out_specs tree, so that jit's out_shardings can keep each spec
   as written.
+- Errors: each input leaf's name in the caller's arguments (`in_sites`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import _errors
-from ._graph import Leaf
-from ._sharding import FromState, ShardingLike, StateSharding, format_path, is_prefix_leaf
+from ._graph import CallPlan, InnerSplit, Leaf, unflatten_all, value_of
+from ._sharding import (
+    FromState,
+    ShardingLike,
+    StateSharding,
+    format_path,
+    is_node,
+    is_prefix_leaf,
+)
 
 Specs: TypeAlias = Any
 """A pytree prefix of PartitionSpecs, `StateSharding`s and Nones (None: replicated)."""
@@ -148,3 +156,58 @@ def as_state(entry: FromState, groups: tuple[list[int], ...], where: str) -> nnx
         )
         raise ValueError(_errors.not_a_prefix("shard_map", "out_specs", detail, "output"))
     return jax.tree_util.tree_unflatten(treedef, [found[p] for p in paths])
+
+
+def in_sites(plan: CallPlan, leaves: Sequence[Leaf]) -> list[str]:
+    """The caller's name of each flat input leaf (``args[0].linear.kernel``); for errors."""
+    with nnx.merge_context() as ctx:
+        nodes = unflatten_all(ctx, plan.graphdefs, leaves, plan.sizes)
+    sites: list[str] = []
+    with nnx.split_context() as ctx:
+        for node, graphdef, where in zip(nodes, plan.graphdefs, plan.wheres, strict=True):
+            if graphdef is None:
+                sites.append(where)
+            else:
+                sites += [where + format_path(p) for p in ctx.flatten(node)[1].paths]
+    return sites
+
+
+def group_outputs(split: InnerSplit, state_sharding_sites: Sequence[str]) -> tuple[Any, list[int]]:
+    """`ShardMapFn`'s output leaves arranged to match ``out_specs``, and their flat order.
+
+    Each graph node of the output becomes a tuple with one list of leaves per
+    filter of its StateSharding (one list for a plain spec).
+    """
+    nodes = {w for w, x in zip(split.out_wheres, split.out_leaves, strict=True) if is_node(x)}
+    if stray := [w for w in state_sharding_sites if w not in nodes]:
+        raise ValueError(_errors.state_sharding_above("shard_map", "out_specs", stray))
+    per_leaf: list[Any] = []
+    for leaf, entry in zip(split.out_leaves, split.out_entries, strict=True):
+        n = len(entry.filters) if isinstance(entry, StateSharding) else 1
+        per_leaf.append(tuple([] for _ in range(n)) if is_node(leaf) else None)
+    for j, (item, k, path) in enumerate(
+        zip(split.out_items, split.out_owner, split.out_paths, strict=True)
+    ):
+        entry = split.out_entries[k]
+        if per_leaf[k] is None:
+            per_leaf[k] = j
+        else:
+            assert path is not None  # a leaf of a graph node
+            group = (
+                entry.index_for(
+                    path,
+                    item,
+                    transform="shard_map",
+                    argument="out_specs",
+                    where=split.out_wheres[k],
+                )
+                if isinstance(entry, StateSharding)
+                else 0
+            )
+            per_leaf[k][group].append(j)
+    for k, entry in enumerate(split.out_entries):
+        if isinstance(entry, FromState) and per_leaf[k] is not None:
+            per_leaf[k] = as_state(entry, per_leaf[k], split.out_wheres[k])
+    indices = jax.tree_util.tree_unflatten(split.out_treedef, per_leaf)
+    values = [value_of(x) for x in split.out_items]
+    return jax.tree.map(lambda j: values[j], indices), jax.tree.leaves(indices)

@@ -1,18 +1,20 @@
 """`Traced`, `Lowered`, `Compiled`: jax's stage objects, taking and returning modules.
 
-Each wraps the ``jax.stages`` object of the flat call plus the `CallPlan` that
-turns module arguments into that flat call (pre-process, `_graph.split_call`) and
-its results back into modules (post-process, `_graph.merge_call`). jax's
-introspection passes through unchanged; ``args_info`` and ``out_info`` are given
-in the caller's structure, with each graph node as an ``nnx.State`` or an
-abstract module.
+Each wraps the ``jax.stages`` object of the flat call plus a `Binding`: what maps
+the program's flat inputs and outputs to the caller's. Every call path gives the
+same three classes: `PlanBinding` here for the full graph path (the `CallPlan`
+that `_graph.split_call` makes and `_graph.merge_call` undoes), and `_tree.SimpleCall`
+for the simple path (``graph=False`` or ``graph_updates=False``). jax's
+introspection passes through unchanged; ``args_info`` and the members jax
+unflattens with ``out_tree`` are given in the caller's structure, with each graph
+node as an ``nnx.State`` (arguments) or as a module (outputs).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 from flax import nnx
@@ -111,59 +113,55 @@ def _aval_differences(
     return found
 
 
+class Binding(Protocol):
+    """How a program's flat inputs and outputs map to the caller's; a call path's."""
+
+    def arguments(self, infos: Any) -> Any:
+        """jax's ``args_info`` of the program -> the caller's ``(args, kwargs)``."""
+        ...
+
+    def outputs(self, member: Any, inputs: Callable[[], list[Any]]) -> Any:
+        """A member jax gives in the program's output structure -> ``out_tree``'s: the
+        function's output, each graph node as it comes back holding the member's value
+        for each Variable. ``inputs()``: per flat input of the program, in jax's order,
+        the value for a Variable returned as it came."""
+        ...
+
+    def lowering_error(self, error: ValueError) -> str | None:
+        """The message for an error of jax's ``lower``, or None to raise it as is."""
+        ...
+
+    def runner(self, compiled: Any, waits: bool) -> Callable[..., Any]:
+        """The function `Compiled.__call__` is: the caller's arguments, ``compiled``."""
+        ...
+
+
 class _Stage:
-    """Common to the three stages: the jax object, the plan and the leaf labels."""
+    """Common to the three stages: the jax object and the binding."""
 
-    _STAGE = ""
-
-    def __init__(
-        self,
-        jax_stage: Any,
-        plan: CallPlan,
-        sites: Sequence[Site],
-        bound: tuple[Any, ...] = (),
-        waits: bool = False,
-    ):
+    def __init__(self, jax_stage: Any, binding: Binding, waits: bool = False):
         self._jax = jax_stage
-        self._plan = plan
-        self._sites = tuple(sites)
-        self._bound = bound  # the object of a bound method, passed first
+        self._binding = binding
         self._waits = waits  # the program has host callbacks: see `_cache.PlanState.wait`
 
     @property
     def args_info(self) -> Any:
         """See `jax.stages.Lowered.args_info`; graph nodes as ``nnx.State`` of ``ArgInfo``."""
-        donated, kept = self._jax.args_info[0]
-        infos = self._plan.join(donated, kept)
-        return arrange(self._plan, self._sites, infos)
+        return self._binding.arguments(self._jax.args_info)
 
     @property
     def out_info(self) -> Any:
         """See `jax.stages.Traced.out_info`; graph nodes as abstract modules."""
-        return self._outputs(self._jax.out_info, self._passed_through())
+        return self._binding.outputs(self._jax.out_info, self._passed_through)
 
     def _passed_through(self) -> list[Any]:
         """Per input leaf, the ``out_info`` entry of an input returned as it came, as
         jax's own stage writes its outputs' (here `jax.stages.Lowered.out_info`'s)."""
-        return abstract(self._in_avals())
+        return abstract(self._in_leaves(self._jax.in_avals))
 
-    def _outputs(self, member: Any, inputs: Sequence[Any]) -> Any:
-        """A member jax gives in the program's output structure (the output and the
-        inputs' updates), in the caller's: the function's output, each graph node as
-        it comes back, holding the member's value for each Variable. ``inputs``: per
-        input leaf in the plan's order, the value for a Variable returned unchanged."""
-        return merge_new(inputs, *member)
-
-    def _in_flat(self, member: Any) -> list[Any]:
-        """A member jax gives in the program's input structure, as per-leaf values in
-        the plan's order (donated and kept leaves interleaved back)."""
-        leaves = self._jax.in_tree.flatten_up_to(member)
-        n_donated = sum(self._plan.donate)
-        return self._plan.join(leaves[:n_donated], leaves[n_donated:])
-
-    def _in_avals(self) -> list[Any]:
-        """The avals of the flat leaves the program takes, in the plan's order."""
-        return self._in_flat(self._jax.in_avals)
+    def _in_leaves(self, member: Any) -> list[Any]:
+        """A member jax gives in the program's input structure, as its flat leaves."""
+        return self._jax.in_tree.flatten_up_to(member)
 
     @property
     def in_tree(self) -> PyTreeDef:
@@ -191,7 +189,7 @@ def arrange(
     plan: CallPlan,
     sites: Sequence[Site],
     values: Sequence[Any],
-    to_state: Callable[[Iterable[tuple[Any, Any]]], nnx.State] = nnx.from_flat_state,
+    to_state: Callable[[list[tuple[Any, Any]]], Any] = nnx.from_flat_state,
 ) -> Any:
     """Per-leaf values -> the caller's ``(args, kwargs)``; graph nodes become States."""
     call_leaves = [
@@ -208,8 +206,6 @@ def arrange(
 class Traced(_Stage):
     """A traced call; mirrors `jax.stages.Traced`."""
 
-    _STAGE = "Traced"
-
     @property
     def jaxpr(self) -> ClosedJaxpr:
         """See `jax.stages.Traced.jaxpr`."""
@@ -218,12 +214,15 @@ class Traced(_Stage):
     @property
     def out_avals(self) -> Any:
         """See `jax.stages.Traced.out_avals`; structured as `out_tree`."""
-        return self._outputs(self._jax.out_avals, self._in_avals())
+        return self._binding.outputs(
+            self._jax.out_avals, lambda: self._in_leaves(self._jax.in_avals)
+        )
 
     def _passed_through(self) -> list[Any]:
         # jax.stages.Traced.out_info keeps each aval's weak type
         return [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self._in_avals()
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+            for a in self._in_leaves(self._jax.in_avals)
         ]
 
     @property
@@ -236,28 +235,20 @@ class Traced(_Stage):
         """See `jax.stages.Traced.lojax`."""
         return self._jax.lojax
 
-    _moved: Sequence[tuple[str, Any, Any]] = ()
-    """``(where, sharding, wanted)`` of committed arguments on another sharding than
-    in_shardings asks (`_sharding.mismatched_shardings`), for jax's error at lowering."""
-
     def lower(self, *, lowering_platforms: tuple[str, ...] | None = None) -> Lowered:
         """See `jax.stages.Traced.lower`."""
         try:
             lowered = self._jax.lower(lowering_platforms=lowering_platforms)
         except ValueError as e:
-            if not self._moved or "does not match the sharding" not in str(e):
+            message = self._binding.lowering_error(e)
+            if message is None:
                 raise
-            spec = self._plan.spec
-            message = _errors.sharding_mismatch(spec.transform, spec.in_name, self._moved)
             raise ValueError(message).with_traceback(e.__traceback__) from None
-        waits = host_callbacks(self._jax.jaxpr.jaxpr)
-        return Lowered(lowered, self._plan, self._sites, self._bound, waits)
+        return Lowered(lowered, self._binding, host_callbacks(self._jax.jaxpr.jaxpr))
 
 
 class Lowered(_Stage):
     """A lowered call; mirrors `jax.stages.Lowered`."""
-
-    _STAGE = "Lowered"
 
     def as_text(self, dialect: str | None = None, *, debug_info: bool = False) -> str:
         """See `jax.stages.Lowered.as_text`."""
@@ -274,20 +265,18 @@ class Lowered(_Stage):
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         """See `jax.stages.Lowered.compile`."""
         compiled = self._jax.compile(compiler_options)
-        return Compiled(compiled, self._plan, self._sites, self._bound, self._waits)
+        return Compiled(compiled, self._binding, self._waits)
 
 
 class Compiled(_Stage):
     """A compiled call; mirrors `jax.stages.Compiled`, called with modules."""
 
-    _STAGE = "Compiled"
-
     def _passed_through(self) -> list[Any]:
         # jax.stages.Compiled.out_info gives each output its format
-        formats = self._in_flat(self.input_formats)
+        formats = self._in_leaves(self.input_formats)
         return [
             jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=f if f.sharding else None)
-            for a, f in zip(self._in_avals(), formats, strict=True)
+            for a, f in zip(self._in_leaves(self._jax.in_avals), formats, strict=True)
         ]
 
     @property
@@ -298,7 +287,9 @@ class Compiled(_Stage):
     @property
     def output_shardings(self) -> Any:
         """See `jax.stages.Compiled.output_shardings`; structured as `out_tree`."""
-        return self._outputs(self._jax.output_shardings, self._in_flat(self.input_shardings))
+        return self._binding.outputs(
+            self._jax.output_shardings, lambda: self._in_leaves(self.input_shardings)
+        )
 
     @property
     def input_formats(self) -> Any:
@@ -308,7 +299,9 @@ class Compiled(_Stage):
     @property
     def output_formats(self) -> Any:
         """See `jax.stages.Compiled.output_formats`; structured as `out_tree`."""
-        return self._outputs(self._jax.output_formats, self._in_flat(self.input_formats))
+        return self._binding.outputs(
+            self._jax.output_formats, lambda: self._in_leaves(self.input_formats)
+        )
 
     def as_text(self) -> str | None:
         """See `jax.stages.Compiled.as_text`."""
@@ -327,25 +320,97 @@ class Compiled(_Stage):
         return self._jax.runtime_executable()
 
     @functools.cached_property
-    def _state(self) -> PlanState:
-        return PlanState(self._jax, waits=self._waits)
-
-    @functools.cached_property
-    def _entries(self) -> dict[CacheKey, Entry]:
-        return {}
+    def _run(self) -> Callable[..., Any]:
+        return self._binding.runner(self._jax, self._waits)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the program on the same kinds of arguments as the `JitWrapped`."""
-        spec = self._plan.spec
-        call_args = (*self._bound, *args)
+        return self._run(*args, **kwargs)
+
+    call = __call__
+
+
+# ---------------------------------------------------------------------------------------
+# the full graph path's binding
+
+
+class PlanBinding:
+    """The `Binding` of the full graph path: a `CallPlan` and its leaves' labels.
+
+    Args:
+        plan: the call's plan (`_graph.split_call`).
+        sites: each flat leaf's label, in the plan's order.
+        bound: the object of a bound method, passed first.
+        moved: ``(where, sharding, wanted)`` of committed arguments on another sharding
+            than in_shardings asks (`_sharding.mismatched_shardings`), for jax's error
+            at lowering.
+    """
+
+    def __init__(
+        self,
+        plan: CallPlan,
+        sites: Sequence[Site],
+        bound: tuple[Any, ...] = (),
+        moved: Sequence[tuple[str, Any, Any]] = (),
+    ):
+        self.plan = plan
+        self.sites = tuple(sites)
+        self.bound = bound
+        self.moved = moved
+
+    def _join(self, leaves: Sequence[Any]) -> list[Any]:
+        """Leaves in the program's ``(donated, kept)`` order -> the plan's order."""
+        n_donated = sum(self.plan.donate)
+        return self.plan.join(leaves[:n_donated], leaves[n_donated:])
+
+    def arguments(self, infos: Any) -> Any:
+        donated, kept = infos[0]
+        return arrange(self.plan, self.sites, self.plan.join(donated, kept), _state_or_value)
+
+    def outputs(self, member: Any, inputs: Callable[[], list[Any]]) -> Any:
+        return merge_new(self._join(inputs()), *member)
+
+    def lowering_error(self, error: ValueError) -> str | None:
+        if not self.moved or "does not match the sharding" not in str(error):
+            return None
+        spec = self.plan.spec
+        return _errors.sharding_mismatch(spec.transform, spec.in_name, self.moved)
+
+    def runner(self, compiled: Any, waits: bool) -> Callable[..., Any]:
+        return _PlanRunner(self, compiled, waits)
+
+
+def _state_or_value(pairs: list[tuple[Any, Any]]) -> Any:
+    """A graph node's ``(path, value)`` pairs as an ``nnx.State``; a Variable argument
+    (its one value at the empty path) as that value."""
+    if [path for path, _ in pairs] == [()]:
+        return pairs[0][1]
+    return nnx.from_flat_state(pairs)
+
+
+class _PlanRunner:
+    """`Compiled.__call__` on the full graph path: checks the arguments against the
+    plan, runs, writes back; repeated calls take `_cache`'s fast path."""
+
+    def __init__(self, binding: PlanBinding, compiled: Any, waits: bool):
+        self._binding = binding
+        self._jax = compiled
+        self._state = PlanState(compiled, waits=waits)
+        self._entries: dict[CacheKey, Entry] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        expected = self._binding.plan
+        spec = expected.spec
+        call_args = (*self._binding.bound, *args)
         with nnx.update_context(TAG):  # it also takes the split nnx.cached_partial made
             done, result, key, roots = fast_call(self._entries, spec, call_args, kwargs)
             if done:
                 return result
             plan, leaves, sites, items = split_call(spec, call_args, kwargs)
             wrong = []
-            if plan != self._plan:
-                wrong = _differences(plan, self._plan, leaves, self._in_avals())
+            if plan != expected:
+                in_avals = self._binding._join(self._jax.in_tree.flatten_up_to(self._jax.in_avals))
+                wrong = _differences(plan, expected, leaves, in_avals)
             donated, kept = plan.partition(leaves)
             types = not wrong
             if not wrong:
@@ -364,5 +429,3 @@ class Compiled(_Stage):
         self._state.note(out[0])
         remember(self._entries, key, plan, self._state, items, roots)
         return result
-
-    call = __call__

@@ -313,7 +313,7 @@ def keep_variables(tree: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------
-# the call, and its stages
+# the call, and its binding to the stages (`_stages.Binding`)
 
 
 class SimpleCall:
@@ -373,54 +373,44 @@ class SimpleCall:
     def finish(self, out: Any) -> Any:
         return from_tree(out) if self.graph else out
 
+    # the `_stages.Binding` protocol: the simple path's stages are `_stages`' classes
 
-class SimpleStage:
-    """A ``jax.stages`` object of the simple path; jax's members pass through, those
-    with the output's structure give the user's output (not the updates)."""
+    def arguments(self, infos: Any) -> Any:
+        """jax's ``args_info`` -> the caller's ``(args, kwargs)``, each graph node as an
+        ``nnx.State`` of ``ArgInfo`` by path (as on the full path)."""
+        if self.graph:  # each node's own leaves, as jax flattened them
+            return jax.tree.map(_node_state, infos, is_leaf=lambda x: isinstance(x, TreeNode))
+        return jax.tree.map(_as_state, infos, is_leaf=_is_node_or_variable)
 
-    def __init__(self, stage: Any, call: SimpleCall, bound: tuple[Any, ...]):
-        self._stage = stage
-        self._call = call
-        self._bound = bound
+    def outputs(self, member: Any, inputs: Callable[[], list[Any]]) -> Any:
+        """A member in the program's ``(output, updates)`` structure -> the output's,
+        graph nodes as modules (outputs are new objects here: ``inputs`` unused)."""
+        return self.finish(member[0])
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stage, name)
+    def lowering_error(self, error: ValueError) -> str | None:
+        return None
 
-    @property
-    def out_tree(self) -> Any:
-        return jax.tree_util.treedef_children(self._stage.out_tree)[0]
-
-
-class SimpleTraced(SimpleStage):
-    """`jax.stages.Traced` of a simple-path call."""
-
-    @property
-    def out_info(self) -> Any:
-        return self._stage.out_info[0]
-
-    def lower(self, *, lowering_platforms: tuple[str, ...] | None = None) -> SimpleLowered:
-        lowered = self._stage.lower(lowering_platforms=lowering_platforms)
-        return SimpleLowered(lowered, self._call, self._bound)
+    def runner(self, compiled: Any, waits: bool) -> Callable[..., Any]:
+        return lambda *args, **kwargs: self.run(compiled, args, kwargs)
 
 
-class SimpleLowered(SimpleStage):
-    """`jax.stages.Lowered` of a simple-path call."""
+def _node_state(x: Any) -> Any:
+    """A `TreeNode` whose Variables hold per-Variable values -> an ``nnx.State`` of
+    those values by path (a Variable: its value); anything else as it is."""
+    if not isinstance(x, TreeNode):
+        return x
+    values = [v.get_value() if isinstance(v, nnx.Variable) else v for v in x.leaves]
+    if list(x.paths) == [()]:
+        return values[0]
+    return nnx.from_flat_state(list(zip(x.paths, values, strict=True)))
 
-    def compile(self, compiler_options: dict[str, Any] | None = None) -> SimpleCompiled:
-        compiled = self._stage.compile(compiler_options)
-        return SimpleCompiled(compiled, self._call, self._bound)
 
-
-class SimpleCompiled(SimpleStage):
-    """`jax.stages.Compiled` of a simple-path call: call it like the function."""
-
-    @property
-    def output_shardings(self) -> Any:
-        return self._stage.output_shardings[0]
-
-    @property
-    def output_formats(self) -> Any:
-        return self._stage.output_formats[0]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call.run(self._stage, (*self._bound, *args), kwargs)
+def _as_state(x: Any) -> Any:
+    """A graph node whose Variables hold per-Variable values -> an ``nnx.State`` of
+    those values by path, a Variable its value; anything else as it is."""
+    if isinstance(x, nnx.Variable):
+        return x.get_value()
+    if not _is_node_or_variable(x):
+        return x
+    flat = nnx.to_flat_state(nnx.state(x))
+    return nnx.from_flat_state([(path, v.get_value()) for path, v in flat])

@@ -575,3 +575,187 @@ def test_compiled_names_every_difference_and_flax_words_for_types():
         flax_compiled(Counter(), jnp.ones((3, 4)))
     with pytest.raises(TypeError, match=words):
         compiled(Counter(), jnp.ones((3, 4)))
+
+
+# --- the simple path (graph=False, graph_updates=False): the same classes, the same rows ---
+
+SIMPLE_MODES = {"tree": dict(graph=False), "no-updates": dict(graph_updates=False)}
+
+
+def _fresh(m, x):  # a new module out: the simple path forbids returning an input Variable
+    return {"y": m(x), "model": nnx.Linear(2, 3, rngs=nnx.Rngs(1))}
+
+
+def _simple_transforms(mode, fun):
+    """(our shard_map, the same function through plain jax of the module pytree)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    specs = dict(mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    ours = nnx_sharding.shard_map(fun, **specs, **SIMPLE_MODES[mode])
+    return ours, jax.jit(jax.shard_map(fun, **specs), keep_unused=True)
+
+
+@pytest.fixture(scope="module", params=[(t, m) for t in ("jit", "shard_map") for m in SIMPLE_MODES])
+def simple_stages(request):
+    transform, mode = request.param
+    if transform == "jit":
+        # keep_unused: jax's program would drop the count, whose update it loses
+        ours_f = nnx_sharding.jit(_fresh, **SIMPLE_MODES[mode])
+        ref_f = jax.jit(_fresh, keep_unused=True)
+    else:
+        ours_f, ref_f = _simple_transforms(mode, _fresh)
+    model = Counter()
+    ours, ref = ours_f.trace(model, X), ref_f.trace(model, X)
+    lowered, ref_lowered = ours.lower(), ref.lower()
+    return mode, {
+        "Traced": (ours, ref),
+        "Lowered": (lowered, ref_lowered),
+        "Compiled": (lowered.compile(), ref_lowered.compile()),
+    }
+
+
+def _leaves_equal(name):
+    return lambda o, r: jax.tree.leaves(getattr(o, name)) == jax.tree.leaves(getattr(r, name))
+
+
+def _out_structured(name):
+    """The member in out_tree's structure, leaf for leaf as jax.jit of the pytree gives it."""
+
+    def check(o, r):
+        got, want = getattr(o, name), getattr(r, name)
+        return (
+            jax.tree.structure(got) == o.out_tree == r.out_tree
+            and len(jax.tree.leaves(got)) == 3  # y, the new Linear's bias and kernel
+            and all(
+                _equivalent(a, b)
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+            )
+        )
+
+    return check
+
+
+def _simple_args_info(o, r):
+    (state, x), kwargs = o.args_info
+    return (
+        isinstance(state, nnx.State)
+        and kwargs == {}
+        and set(dict(nnx.to_flat_state(state))) == {("count",), ("lin", "bias"), ("lin", "kernel")}
+        and x.shape == X.shape
+        and jax.tree.leaves(o.args_info) == jax.tree.leaves(r.args_info)
+    )
+
+
+def _simple_call(o, r):
+    model, reference = Counter(), Counter()
+    got = o(model, X)
+    want = r(reference, X)  # jax's pytree call: the count update is lost
+    return (
+        type(got["model"]) is nnx.Linear
+        and np.allclose(got["y"], want["y"])
+        and np.allclose(got["model"].kernel[...], want["model"].kernel[...])
+        and int(model.count[...]) == 1  # written back, as the transform's call does
+    )
+
+
+SIMPLE_SHARED = {
+    "args_info": _simple_args_info,
+    "donate_argnums": same("donate_argnums"),
+    "in_avals": _leaves_equal("in_avals"),
+    # the program's inputs: the module pytree (tree mode) or its flattened TreeNode
+    "in_tree": lambda o, r: o.in_tree.num_leaves == r.in_tree.num_leaves,
+    "out_info": _out_structured("out_info"),
+    "out_tree": lambda o, r: o.out_tree == jax.tree.structure(o.out_info) == r.out_tree,
+}
+SIMPLE_CHECKS = {
+    "Traced": {
+        **SIMPLE_SHARED,
+        "fun_name": lambda o, r: o.fun_name == "_fresh",
+        # the program: the function plus the Variable updates (the count) as outputs
+        "jaxpr": lambda o, r: (
+            "dot_general" in str(o.jaxpr) and len(o.jaxpr.out_avals) == len(r.jaxpr.out_avals) + 1
+        ),
+        "lojax": lambda o, r: type(o.lojax) is type(r.lojax),
+        "out_avals": _out_structured("out_avals"),
+        "lower": lambda o, r: (
+            isinstance(low := o.lower(lowering_platforms=("cpu",)), Lowered)
+            and "func" in low.as_text()
+        ),
+    },
+    "Lowered": {
+        **SIMPLE_SHARED,
+        "as_text": lambda o, r: "func" in o.as_text() and "HloModule" in o.as_text("hlo"),
+        "compiler_ir": lambda o, r: "func" in str(o.compiler_ir("stablehlo")),
+        "cost_analysis": lambda o, r: (  # unoptimized: the copies differ, not the init
+            o.cost_analysis()["flops"] > 0
+            and o.cost_analysis()["transcendentals"] == r.cost_analysis()["transcendentals"]
+        ),
+        "compile": lambda o, r: (
+            isinstance(c := o.compile(), Compiled) and _simple_call(c, r.compile())
+        ),
+    },
+    "Compiled": {
+        **SIMPLE_SHARED,
+        "as_text": lambda o, r: o.as_text().startswith("HloModule jit_"),
+        "call": lambda o, r: _simple_call(o.call, r),
+        "cost_analysis": lambda o, r: o.cost_analysis()["flops"] >= r.cost_analysis()["flops"] > 0,
+        "memory_analysis": lambda o, r: (
+            o.memory_analysis().argument_size_in_bytes == r.memory_analysis().argument_size_in_bytes
+        ),
+        "runtime_executable": lambda o, r: (
+            type(o.runtime_executable()) is type(r.runtime_executable())
+        ),
+        "input_formats": _leaves_equal("input_formats"),
+        "input_shardings": _leaves_equal("input_shardings"),
+        "output_formats": _out_structured("output_formats"),
+        "output_shardings": _out_structured("output_shardings"),
+    },
+}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_member_is_checked_on_the_simple_path(stage):
+    assert set(SIMPLE_CHECKS[stage]) == set(CHECKS[stage])
+
+
+@pytest.mark.parametrize("stage, member", MEMBERS)
+def test_simple_path_member_matches_jax(simple_stages, stage, member):
+    """graph=False and graph_updates=False give the same classes and the same contract,
+    for jit and shard_map, against jax of the same function of the module pytree."""
+    _, stages = simple_stages
+    ours, ref = stages[stage]
+    assert type(ours) is STAGES[stage]
+    assert SIMPLE_CHECKS[stage][member](ours, ref)
+
+
+@pytest.mark.parametrize("mode", SIMPLE_MODES)
+@pytest.mark.parametrize("stage", OUTPUT_MEMBERS)
+def test_simple_path_output_members_have_the_structure_of_jax_jits(stage, mode):
+    ours = _stage(nnx_sharding.jit(_fresh, **SIMPLE_MODES[mode]), stage, Counter(), X)
+    theirs = _stage(jax.jit(_fresh), stage, Counter(), X)
+    assert ours.out_tree == theirs.out_tree
+    for member in OUTPUT_MEMBERS[stage]:
+        got, want = getattr(ours, member), getattr(theirs, member)
+        assert jax.tree.structure(got) == ours.out_tree, member
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert _equivalent(a, b), (member, a, b)
+
+
+ALL_MODES = {"graph": {}, **SIMPLE_MODES}
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_args_info_of_a_variable_argument_is_its_arg_info(mode):
+    variable = nnx.Param(jnp.ones(3))
+    traced = nnx_sharding.jit(lambda v, x: v[...] * x, **ALL_MODES[mode]).trace(variable, X[0, :3])
+    (info, x), kwargs = traced.args_info
+    assert isinstance(info, jax.stages.ArgInfo) and info.shape == (3,)
+    assert x.shape == (3,) and kwargs == {}
+
+
+@pytest.mark.parametrize("mode", ["graph", "no-updates"])
+def test_args_info_of_a_shared_module_lists_its_variables_once(mode):
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    f = nnx_sharding.jit(lambda a, b: a(jnp.ones(2)) + b(jnp.ones(2)), **ALL_MODES[mode])
+    (first, second), _ = f.trace(model, model).args_info
+    assert set(dict(nnx.to_flat_state(first))) == {("bias",), ("kernel",)}
+    assert dict(nnx.to_flat_state(second)) == {}
