@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence
+from collections.abc import Collection, Iterator, Mapping, MutableMapping, MutableSequence
 from itertools import chain
 from operator import is_
 from typing import Any
@@ -10,6 +10,7 @@ from typing import Any
 import jax
 from flax import nnx
 from flax.nnx import graph as nnx_graph
+from jax.core import Tracer
 
 from . import _slots
 
@@ -68,7 +69,28 @@ class Snapshot:
         self._read_metadata = _slots.metadata_dict if _slots.DIRECT else _metadata
         self._metadata = [dict(m) for m in map(self._read_metadata, self._variables)]
         self._keys, self._values = self._read()
-        self._skip = [i for i, key in enumerate(self._keys) if key in BOOKKEEPING]
+        self._skip = frozenset(i for i, key in enumerate(self._keys) if key in BOOKKEEPING)
+        self._arrays: frozenset[int] = frozenset()  # see `allow_arrays`
+
+    def position(self, container: dict[Any, Any], key: Any) -> int | None:
+        """The index among the checked values of ``container[key]``, where ``container``
+        is one of the dicts this snapshot checks (a module's ``__dict__``, a dict)."""
+        offset = 0
+        for checked in self._dicts:
+            if checked is container:
+                return offset + list(checked).index(key) if key in checked else None
+            offset += len(checked)
+        return None
+
+    def allow_arrays(self, positions: Collection[int]) -> None:
+        """Lets the values at ``positions`` (graph leaves: plain array attributes) be
+        replaced by any concrete ``jax.Array``: the graph keeps its structure, as flax
+        flattens one array like another. The caller reads them anew on each call."""
+        self._arrays = frozenset(positions)
+
+    def wrote(self, position: int, value: Any) -> None:
+        """Records that the caller stored ``value`` at ``position`` itself."""
+        self._values[position] = value
 
     def _read(self) -> tuple[list[Any], list[Any]]:
         return self._read_keys(), [*self._iter_values()]
@@ -106,16 +128,19 @@ class Snapshot:
             return False
         if all(map(is_, self._iter_values(), self._values)):  # streamed: no list built
             return True
-        # Only flax's bookkeeping may differ (a full call elsewhere replaced it): then
-        # the structure is the same; take the new bookkeeping so the next check is quick.
+        # Only flax's bookkeeping (a full call elsewhere replaced it) and arrays at the
+        # positions of graph leaves (`allow_arrays`) may differ: then the structure is
+        # the same; take the new values so that the next check is quick.
         values = [*self._iter_values()]
-        new = [values[i] for i in self._skip]
-        for i in self._skip:
-            values[i] = self._values[i]
-        if not all(map(is_, values, self._values)):
-            return False
-        for i, value in zip(self._skip, new, strict=True):
-            self._values[i] = value
+        for i, (now, then) in enumerate(zip(values, self._values, strict=True)):
+            if now is not then and not (
+                i in self._skip
+                or (
+                    i in self._arrays and isinstance(now, jax.Array) and not isinstance(now, Tracer)
+                )
+            ):
+                return False
+        self._values = values
         return True
 
 
