@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -40,6 +41,7 @@ from ._graph import (
     partition_args,
     split_call,
 )
+from ._pointers import same_objects
 from ._sharding import is_node
 from ._snapshot import Snapshot, Uncacheable
 
@@ -220,6 +222,12 @@ class Entry:
         )
         self._read = _slots.value_reader()
         self._writer: tuple[OutPlan, Callable[[list[Leaf]], bool]] | None = None
+        self._seen: list[Leaf] | None = None  # see `arguments`
+        self._value_at = {  # flat input index -> position among the values read
+            i: k
+            for k, i in enumerate(i for i, x in enumerate(items) if isinstance(x, nnx.Variable))
+        }
+        self._value_at.update((i, n_var + k) for i, k in self.leaves.index.items())
 
     def valid(self, roots: list[Any]) -> bool:
         """Same objects as when cached, with the same structure."""
@@ -230,14 +238,21 @@ class Entry:
 
     def arguments(self, call_leaves: list[Any]) -> tuple[list[Leaf], list[Leaf]] | None:
         """The jitted function's ``(donated, kept)`` for this call; None when a Variable
-        holds a numpy array (set since the last call): the full path converts it."""
-        sources = [*map(self._read, self.variables)]
+        holds a numpy array (set since the last call): the full path converts it.
+
+        The values are checked for numpy arrays only where they are not the very objects
+        that the last call left (`_seen`: read then, with what it wrote back since).
+        """
+        values = [*map(self._read, self.variables)]
         if self.leaves:
-            sources += self.leaves.read()
-        if np.ndarray in {*map(type, sources)}:
-            return None
-        sources += call_leaves
-        sources += self.constants
+            values += self.leaves.read()
+        if not (self._seen is not None and same_objects(values, self._seen)):
+            if np.ndarray in {*map(type, values)}:
+                return None
+        self._seen = values
+        sources = values + call_leaves
+        if self.constants:
+            sources += self.constants
         return self.pick_donated(sources), self.pick_kept(sources)
 
     def merge(self, out_plan: OutPlan, changed: list[Leaf], out_flat: list[Leaf]) -> Any:
@@ -260,14 +275,21 @@ class Entry:
         return jax.tree_util.tree_unflatten(out_plan.out_treedef, out_leaves)
 
     def _write_back(self, in_changed: tuple[int, ...]) -> Callable[[list[Leaf]], bool]:
-        """``values -> written``: writes the values of the flat inputs ``in_changed``;
-        False (nothing written) where the fast path cannot write one of them."""
+        """``values -> written``: writes the values of the flat inputs ``in_changed`` and
+        records them as seen (`arguments`); False (nothing written) where the fast path
+        cannot write one of them."""
         at_variables = [
             j for j, i in enumerate(in_changed) if isinstance(self.items[i], nnx.Variable)
         ]
         write_variables = _slots.writer([self.items[in_changed[j]] for j in at_variables])
+        positions = [self._value_at.get(i, -1) for i in in_changed]
+
+        def record(values: list[Leaf]) -> None:
+            if self._seen is not None:
+                deque(map(self._seen.__setitem__, positions, values), 0)
+
         if len(at_variables) == len(in_changed):
-            return lambda values: (write_variables(values), True)[1]
+            return lambda values: (write_variables(values), record(values), True)[2]
         pick_variables = _picker(at_variables, len(in_changed))
         at_leaves = [j for j in range(len(in_changed)) if j not in set(at_variables)]
         write_leaves = self.leaves.writer([in_changed[j] for j in at_leaves])
@@ -278,6 +300,7 @@ class Entry:
         def write(values: list[Leaf]) -> bool:
             write_variables(pick_variables(values))
             write_leaves(pick_leaves(values))
+            record(values)
             return True
 
         return write

@@ -140,7 +140,8 @@ class Snapshot:
             return False
 
     def _containers_fresh(self) -> bool:
-        if self._read_keys() != self._keys:  # strings and ints: equality is exact
+        keys = self._read_keys()  # strings and ints: equality is exact, identity quicker
+        if not (same_objects(keys, self._keys) or keys == self._keys):
             return False
         # Every value's identity, in one step: the objects the dicts refer to, as the
         # garbage collector lists them (each dict's values, in its own order), against
