@@ -433,8 +433,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few short blocks, for smoke tests")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--tag", default="", help="suffix for the output files, e.g. gpu")
-    parser.add_argument("--first-reps", type=int, default=3, help="first calls timed per variant")
+    parser.add_argument(
+        "--first-reps", type=int, default=3, help="first calls timed per variant (0: none)"
+    )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated variants to time (the floors always run), e.g. "
+        "'nnx_sharding.jit,nnx_sharding.jit (donate)'",
+    )
     args = parser.parse_args()
+    if args.variants:
+        wanted = {v.strip() for v in args.variants.split(",")} | {"floor (a)", "floor (b)"}
+        if unknown := wanted - VARIANTS.keys():
+            parser.error(f"unknown variants: {sorted(unknown)}; known: {list(VARIANTS)}")
+        for name in [v for v in VARIANTS if v not in wanted]:
+            del VARIANTS[name]
     depths = [int(d) for d in args.depths.split(",")]
     blocks, block_s = (min(args.blocks, 3), BLOCK_S / 10) if args.quick else (args.blocks, BLOCK_S)
     timing = dict(blocks=blocks, calls=args.calls, block_s=block_s, warmup=max(args.warmup, 3))
@@ -446,18 +460,20 @@ def main() -> None:
     x_np = np.linspace(0, 1, 100)[:, None]  # on the device once: no per-call host-to-device copy
     x, y = jnp.asarray(x_np), jnp.asarray(0.8 * x_np**2 + 0.1)
     for spec in STEPS.values():  # keep one-time JAX/XLA start-up out of the first-call numbers
-        first_call_s(VARIANTS["functional jax.jit"], spec, min(depths), x, y)
+        first_call_s(functional, spec, min(depths), x, y)
 
     steps: dict[str, Any] = {name: {v: {} for v in VARIANTS} for name in STEPS}
     first: dict[str, Any] = {name: {} for name in STEPS}
     for depth in depths:
         for name, spec in STEPS.items():
             # First calls before anything else compiles this step at this depth.
-            pair = [VARIANTS["nnx_sharding.jit"], VARIANTS["functional jax.jit"]]
-            firsts, err = attempt(
-                f"first calls ({name}, depth {depth})",
-                functools.partial(first_calls_s, pair, spec, depth, x, y, args.first_reps),
-            )
+            pair = [lifted(nnx_sharding_jit), functional]
+            firsts, err = (None, "not timed (--first-reps 0)")
+            if args.first_reps > 0:
+                firsts, err = attempt(
+                    f"first calls ({name}, depth {depth})",
+                    functools.partial(first_calls_s, pair, spec, depth, x, y, args.first_reps),
+                )
             ours, base = firsts or (None, None)
             first[name][str(depth)] = {
                 "nnx_sharding_s": ours,

@@ -7,9 +7,10 @@ them, beside the whole call. Its "jax dispatch" is what floor (b) of `overhead.p
 are `overhead.py`'s. Each figure is the median over --rounds interleaved rounds (every piece
 once per round) of the mean of a block of calls, with min and max.
 
-It also times the cheapest exact primitives CPython offers for the snapshot's checks, on the
-same containers: the list of keys (one C-level list comparison), the identity of every
-container value (``all(map(is_, ...))``, streamed or on a gathered list), every Variable's
+It also times the cheapest exact primitives for the snapshot's checks, on the same
+containers: the list of keys (one C-level list comparison), the identity of every container
+value (``all(map(is_, ...))``, streamed or on a gathered list, or the objects
+``gc.get_referents`` lists compared as pointer arrays, `_pointers`), every Variable's
 metadata against a copy (one list comparison) and reading the Variables' values. An exact
 check that looks at every entry cannot cost less than their sum in pure Python; with jax's
 dispatch of the arrays (which floor (b) pays too) it bounds the fast call from below.
@@ -23,6 +24,7 @@ Writes pieces-depth<D>.json to benchmarks/results/ (or --out).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -44,6 +46,7 @@ import overhead  # noqa: E402  (the model, the steps and the floors)
 
 import nnx_sharding  # noqa: E402
 from nnx_sharding import _cache, _slots  # noqa: E402
+from nnx_sharding._pointers import same_objects  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_S = 0.05
@@ -78,6 +81,7 @@ def pieces(depth: int) -> dict[str, Callable[[], Any]]:
     # The cheapest exact primitives for the same checks.
     dicts = snapshot._dicts
     saved = [*chain.from_iterable(map(dict.values, dicts))]
+    referents = gc.get_referents(*dicts)
     read = _slots.value_reader()
     keys = [*chain.from_iterable(dicts)]
     saved_keys = list(keys)
@@ -102,6 +106,9 @@ def pieces(depth: int) -> dict[str, Callable[[], Any]]:
         ),
         "bound: values' identity (gathered, then compared)": lambda: all(
             map(is_, [*chain.from_iterable(map(dict.values, dicts))], saved)
+        ),
+        "bound: values' identity (referents, pointers compared)": lambda: same_objects(
+            gc.get_referents(*dicts), referents
         ),
         "bound: metadata (list ==)": lambda: (
             [*map(_slots.metadata_dict, snapshot._variables)] == copies

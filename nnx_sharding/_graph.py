@@ -426,17 +426,18 @@ def changed_inputs(
     values: Sequence[Leaf],
     leaves: Sequence[Leaf],
     also: Collection[int] = (),
-) -> tuple[int, ...] | None:
+) -> tuple[int, ...]:
     """The flat inputs the caller needs back from a call that kept the graphs' structure
     (``OutPlan.in_changed``), at trace time: ``items`` are the inputs' objects after the
-    call, ``values`` the values the call returns for them, ``leaves`` those it received.
+    call (Variables, or the arrays the graphs hold outside Variables), ``values`` the
+    values the call returns for them, ``leaves`` those it received.
 
     An input comes back when its value changed, was donated (new buffers) or is in
     ``also`` (resharded, say), and when it is a container (a dict `Module.sow` fills),
-    which the function may change in place. None when one of them is an array held
-    outside Variables: only a full merge sets it (`merge_call`).
+    which the function may change in place.
     """
-    changed = tuple(
+    del items  # a Variable and a plain array attribute come back alike
+    return tuple(
         i
         for i in plan.state_indices
         if values[i] is not leaves[i]
@@ -444,9 +445,6 @@ def changed_inputs(
         or i in also
         or not isinstance(leaves[i], jax.Array)
     )
-    if not all(isinstance(items[i], nnx.Variable) for i in changed):
-        return None
-    return changed
 
 
 def changed_structure(plan: CallPlan, before: list[Structure] | None) -> list[str]:

@@ -17,6 +17,10 @@ that ``get_metadata`` copies and ``set_metadata`` updates in place (by name) or 
 is set, `DIRECT` is False and the public methods are used: everything works, only slower.
 Variables that are ``ref``/``hijax`` (never cached), that override ``set_raw_value`` or
 that carry value hooks are always written through ``set_raw_value`` (`setter`).
+
+Plain array attributes (``self.w = jax.random.normal(...)``: graph leaves outside any
+Variable) are stored by flax's merge with ``object.__setattr__`` (`attribute_writer` says
+where that holds), so the fast path stores a new one the same way.
 """
 
 from __future__ import annotations
@@ -96,6 +100,31 @@ def setter(variable: nnx.Variable[Any]) -> Callable[[Any], None]:
     if _plain(variable):
         return functools.partial(object.__setattr__, variable, _VALUE)
     return variable.set_raw_value
+
+
+def attribute_writer(node: Any, key: Any) -> str | None:
+    """The attribute under which flax's merge stores a graph leaf at ``key`` of ``node``
+    with ``object.__setattr__``, or None where it does something else.
+
+    flax's merge into an existing graph node clears it and sets each attribute again
+    (``_graph_node_clear``, then ``_graph_node_init``: ``object.__setattr__`` per
+    attribute, in the sorted order of its graph definition, which is the order a
+    merged node has already). For a flax ``Pytree`` (a Module, ``nnx.List``,
+    ``nnx.Dict``) whose two methods are flax's own, storing the new array under the
+    attribute's name gives the same object. Other containers (a dict, a list) are
+    pytrees to flax: its merge builds new ones, so None.
+    """
+    try:
+        cls = type(node)
+        if not isinstance(node, nnx.Pytree) or not all(
+            getattr(cls, method) is getattr(nnx.Pytree, method)
+            for method in ("_graph_node_clear", "_graph_node_init")
+        ):
+            return None
+        name = key if isinstance(key, str) else str(key)
+        return name if name in vars(node) else None
+    except Exception:  # noqa: BLE001 - another layout of flax's Pytree: the full merge
+        return None
 
 
 def writer(variables: Sequence[nnx.Variable[Any]]) -> Callable[[Sequence[Any]], None]:

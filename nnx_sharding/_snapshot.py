@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping, MutableSequence
+import gc
+from collections.abc import Collection, Iterable, Iterator, Mapping, MutableMapping, MutableSequence
 from itertools import chain
 from operator import is_
 from typing import Any
@@ -10,8 +11,10 @@ from typing import Any
 import jax
 from flax import nnx
 from flax.nnx import graph as nnx_graph
+from jax.core import Tracer
 
 from . import _slots
+from ._pointers import same_objects
 
 
 class Uncacheable(Exception):
@@ -28,6 +31,18 @@ def _children(tree: Any) -> tuple[Any, list[Any]]:
     """One level of a pytree: its treedef and its children."""
     children, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
     return treedef, children
+
+
+def _copies(dicts: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A copy of each dict, equal dicts sharing one (fewer objects to read on a check)."""
+    shared: dict[Any, dict[str, Any]] = {}
+    out = []
+    for d in dicts:
+        try:
+            out.append(shared.setdefault(tuple(d.items()), dict(d)))
+        except TypeError:  # an unhashable value: a copy of its own
+            out.append(dict(d))
+    return out
 
 
 class Snapshot:
@@ -66,9 +81,32 @@ class Snapshot:
         # Each Variable's metadata, compared by value with a copy taken now: read as the
         # live dict (`_slots`), else as flax's copy of it.
         self._read_metadata = _slots.metadata_dict if _slots.DIRECT else _metadata
-        self._metadata = [dict(m) for m in map(self._read_metadata, self._variables)]
+        self._metadata = _copies(map(self._read_metadata, self._variables))
         self._keys, self._values = self._read()
-        self._skip = [i for i, key in enumerate(self._keys) if key in BOOKKEEPING]
+        self._skip = frozenset(i for i, key in enumerate(self._keys) if key in BOOKKEEPING)
+        self._arrays: frozenset[int] = frozenset()  # see `allow_arrays`
+        self._refs = self._referents()
+
+    def position(self, container: dict[Any, Any], key: Any) -> int | None:
+        """The index among the checked values of ``container[key]``, where ``container``
+        is one of the dicts this snapshot checks (a module's ``__dict__``, a dict)."""
+        offset = 0
+        for checked in self._dicts:
+            if checked is container:
+                return offset + list(checked).index(key) if key in checked else None
+            offset += len(checked)
+        return None
+
+    def allow_arrays(self, positions: Collection[int]) -> None:
+        """Lets the values at ``positions`` (graph leaves: plain array attributes) be
+        replaced by any concrete ``jax.Array``: the graph keeps its structure, as flax
+        flattens one array like another. The caller reads them anew on each call."""
+        self._arrays = frozenset(positions)
+
+    def wrote(self, position: int, value: Any) -> None:
+        """Records that the caller stored ``value`` at ``position`` itself."""
+        self._values[position] = value
+        self._refs = None  # taken anew at the next check
 
     def _read(self) -> tuple[list[Any], list[Any]]:
         return self._read_keys(), [*self._iter_values()]
@@ -102,21 +140,35 @@ class Snapshot:
             return False
 
     def _containers_fresh(self) -> bool:
-        if self._read_keys() != self._keys:
+        keys = self._read_keys()  # strings and ints: equality is exact, identity quicker
+        if not (same_objects(keys, self._keys) or keys == self._keys):
             return False
-        if all(map(is_, self._iter_values(), self._values)):  # streamed: no list built
+        # Every value's identity, in one step: the objects the dicts refer to, as the
+        # garbage collector lists them (each dict's values, in its own order), against
+        # those listed when last seen (`_pointers`). Else the values in the dicts' order.
+        if self._refs is not None and same_objects(gc.get_referents(*self._dicts), self._refs):
             return True
-        # Only flax's bookkeeping may differ (a full call elsewhere replaced it): then
-        # the structure is the same; take the new bookkeeping so the next check is quick.
         values = [*self._iter_values()]
-        new = [values[i] for i in self._skip]
-        for i in self._skip:
-            values[i] = self._values[i]
-        if not all(map(is_, values, self._values)):
-            return False
-        for i, value in zip(self._skip, new, strict=True):
-            self._values[i] = value
+        if not same_objects(values, self._values):
+            # Only flax's bookkeeping (a full call elsewhere replaced it) and arrays at
+            # the positions of graph leaves (`allow_arrays`) may differ: then the
+            # structure is the same; take the new values so the next check is quick.
+            for i, (now, then) in enumerate(zip(values, self._values, strict=True)):
+                if now is not then and not (
+                    i in self._skip
+                    or (
+                        i in self._arrays
+                        and isinstance(now, jax.Array)
+                        and not isinstance(now, Tracer)
+                    )
+                ):
+                    return False
+            self._values = values
+        self._refs = self._referents()
         return True
+
+    def _referents(self) -> list[Any] | None:
+        return None if self._others else gc.get_referents(*self._dicts)
 
 
 class Structure:

@@ -111,21 +111,35 @@ class Model(nnx.Module):
         self.layers = nnx.List([])
         self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
         self.shift = nnx.data(Shift(jax.device_put(np.zeros(F, np.float32), DEVICE), 1.0))
-        self.plain = jax.device_put(np.float32(0.0), DEVICE)  # an array outside any Variable
-        self.cell = nnx.Variable(jnp.zeros(()), ref=True)
+        # Arrays outside any Variable (flax's graph leaves): one the call replaces, one it
+        # only reads, and one in an nnx.List that the call replaces.
+        self.plain = jax.device_put(np.float32(0.0), DEVICE)
+        self.frozen = jax.device_put(np.ones(F, np.float32), DEVICE)
+        self.arrays = nnx.List([jax.device_put(np.float32(1.0), DEVICE)])
         commit(self)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         self.count[...] += 1
         self.plain = self.plain + 0.5
-        self.cell[...] += 1.0
+        self.arrays[0] = self.arrays[0] * 0.5 + 1.0
+        cell = getattr(self, "cell", None)  # a ref=True Variable: never cached
+        if cell is not None:
+            cell[...] += 1.0
+        table = getattr(self, "table", None)  # a dict: flax's merge makes a new one
+        if table is not None:
+            table["k"] = table["k"] + 1.0
         h = nnx.relu(self.bn(self.l1(x)))  # BatchNorm updates its statistics in train mode
         h = self.drop(h) * self.l1.kernel.get_metadata().get("scale", 1.0)  # after bn: seen
         h = self.l2(h)
         for layer in self.layers:
             h = layer(h)
         h = h + self.side(x).sum(-1, keepdims=True)
-        h = h * self.shift.gain + self.shift.offset + self.plain + self.cell[...]
+        h = h * self.shift.gain + self.shift.offset + self.plain + self.frozen + self.arrays[0]
+        h = h + getattr(self, "twin", 0.0)  # `share_plain`: the same array as `plain`
+        if cell is not None:
+            h = h + cell[...]
+        if table is not None:
+            h = h + table["k"]
         extra = getattr(self, "extra", None)
         if extra is not None:
             h = h + extra[...]
@@ -343,10 +357,48 @@ class Twins(RuleBasedStateMachine):
 
     # Mishandled by the fast path at 34b7c38 (fixed since), as are the updates that
     # `Model.__call__` makes to them: a plain array attribute, a ref=True Variable.
-    @mutation(seed=st.integers(0, 2))
-    def set_plain(self, model: Model, seed: int) -> None:
-        model.plain = values(seed, (), jnp.float32)
+    # Plain arrays: each attribute set from outside to another array (the fast path reads
+    # it), a numpy array (flax's calls leave a jax array), a Python number, a Variable.
+    @mutation(
+        name=st.sampled_from(["plain", "frozen", "arrays0"]),
+        kind=st.sampled_from(["array", "numpy", "number", "variable"]),
+        seed=st.integers(0, 2),
+    )
+    def set_plain(self, model: Model, name: str, kind: str, seed: int) -> None:
+        shape = (F,) if name == "frozen" else ()
+        value: Any = values(seed, shape, jnp.float32)
+        if kind == "numpy":
+            value = np.asarray(value)
+        elif kind == "number":
+            value = float(seed) if shape == () else value + 1.0
+        elif kind == "variable":
+            value = nnx.Variable(value)
+        if name == "arrays0":
+            model.arrays[0] = value
+        else:
+            setattr(model, name, value)
 
+    @precondition(lambda self: not hasattr(self.a, "table"))
+    @mutation(seed=st.integers(0, 2))
+    def add_table(self, model: Model, seed: int) -> None:
+        model.table = nnx.data({"k": values(seed, (), jnp.float32)})
+
+    @precondition(lambda self: hasattr(self.a, "table"))
+    @mutation()
+    def delete_table(self, model: Model) -> None:
+        del model.table
+
+    @precondition(lambda self: not hasattr(self.a, "cell"))
+    @mutation()
+    def add_cell(self, model: Model) -> None:
+        model.cell = nnx.Variable(jnp.zeros(()), ref=True)
+
+    @precondition(lambda self: hasattr(self.a, "cell"))
+    @mutation()
+    def delete_cell(self, model: Model) -> None:
+        del model.cell
+
+    @precondition(lambda self: hasattr(self.a, "cell"))
     @mutation(seed=st.integers(0, 2))
     def set_cell(self, model: Model, seed: int) -> None:
         model.cell[...] = values(seed, (), jnp.float32)
@@ -403,6 +455,16 @@ class FastPathFuzz(Twins):
     def call(self, x: int) -> None:
         self.check_call(x)
 
+    # Not in `StagedFuzz`: jax refuses to donate one buffer twice, under flax too.
+    @mutation()
+    def share_plain(self, model: Model) -> None:
+        model.twin = model.plain  # one array under two names: two graph leaves
+
+    @precondition(lambda self: hasattr(self.a, "twin"))
+    @mutation()
+    def unshare_plain(self, model: Model) -> None:
+        del model.twin
+
     @mutation(each=False)
     def call_bump(self) -> None:
         """Another jitted function updates the twins between calls."""
@@ -412,8 +474,14 @@ class FastPathFuzz(Twins):
 
 
 def signature(model: Model) -> tuple[Any, dict[str, tuple[tuple[int, ...], np.dtype]]]:
-    """What a Compiled checks: the graph structure, and each leaf's shape and dtype."""
-    return nnx.graphdef(model), {path: (x.shape, x.dtype) for path, x in state_of(model).items()}
+    """What a Compiled checks: the graph structure, and each leaf's shape and dtype (as jax
+    sees it: a Python number set by `set_plain` is a 32-bit scalar)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))
+    leaves = {
+        jax.tree_util.keystr(path): x if isinstance(x, jax.Ref | jax.Array) else jnp.asarray(x)
+        for path, x in flat
+    }
+    return nnx.graphdef(model), {path: (x.shape, x.dtype) for path, x in leaves.items()}
 
 
 PROTOTYPE = Model(0)  # the structure that the Compiled objects are lowered for
@@ -504,6 +572,23 @@ TestStaged = pytest.mark.filterwarnings("ignore:Some donated buffers were not us
     StagedFuzz.TestCase
 )
 TestStaged.settings = settings(FUZZ, max_examples=max(EXAMPLES // 3, 50))
+
+
+def test_the_fuzzed_model_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The premise of `FastPathFuzz`: its model, as built, reaches the fast path (plain
+    array attributes included), so the mutations test it."""
+    from nnx_sharding import _call
+
+    splits: list[int] = []
+    real = _call.split_call
+    monkeypatch.setattr(_call, "split_call", lambda *a: splits.append(1) or real(*a))
+    forward_ = nnx_sharding.jit(forward)
+    model, reference = Model(0), Model(0)
+    for x in (0, 1, 0, 1):
+        out, _ = forward_(model, XS[x])
+        assert_same_output(out, FLAX["forward"](reference, XS[x])[0])
+    assert len(splits) == 1  # the first call; then the fast path
+    assert_same_state(state_of(model), state_of(reference))
 
 
 def test_twins_start_alike() -> None:
