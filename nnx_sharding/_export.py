@@ -36,7 +36,8 @@ from ._graph import (
     split_call,
     unflatten_all,
 )
-from ._jit import JitWrapped, make_inner
+from ._inner import make_inner
+from ._jit import JitWrapped
 from ._sharding import format_path, is_node
 from ._stages import arrange
 from ._types import HloSharding, PyTreeDef
