@@ -9,9 +9,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import _quiet  # noqa: F401  (first: jax starts without the plugins' noise)
-from ._export import Exported as Exported
-from ._export import deserialize as deserialize
 from ._export import export as export
+from ._exported import Exported as Exported
+from ._exported import deserialize as deserialize
 from ._inspect import inspect_sharding as inspect_sharding
 from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
