@@ -14,7 +14,6 @@ mode keeps shared Variables shared; tree mode (``graph=False``) refuses them, as
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
@@ -22,25 +21,17 @@ from typing import Any, Generic, TypeVar
 
 import jax
 from flax import nnx
-from jax.tree_util import keystr
 
 from . import _errors, _slots
 from ._boundary import check_writable, host_callbacks
 from ._cache import trace_state
-from ._graph import Leaf, Site, snapshots, unflatten_all, value_of
-from ._sharding import (
-    ShardingLike,
-    accept_flax,
-    broadcast_prefix,
-    format_path,
-    is_node,
-    variable_shardings,
-)
-from ._types import Device, PyTreeDef
+from ._graph import Leaf
+from ._partial_split import TRANSFORM, _check_tree_aliases, _split, is_variable
+from ._partial_trace import _make_inner, _rebuild, _Result
+from ._sharding import accept_flax
+from ._types import Device
 
 R = TypeVar("R")
-TRANSFORM = "jit_partial"
-
 
 _GRAPH_UPDATES = (
     "with graph=True and graph_updates=True, a structure change the function makes to a "
@@ -54,112 +45,6 @@ def _current(context: str) -> bool:
     config's default outside one); True on a flax without them (graph mode only)."""
     setting = getattr(nnx, context, None)
     return True if setting is None else bool(setting.current_value())
-
-
-def is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class _Result:
-    """The static half of a traced call: what to write back, how to rebuild the output."""
-
-    written: tuple[int, ...]  # indices of the partial Variables the program returns
-    out_treedef: PyTreeDef  # of the output, graph nodes as leaves
-    out_graphdefs: tuple[Any, ...] | None  # per treedef leaf: its graph definition, or
-    # None (for an array); None when the output holds no graph node
-    out_sizes: tuple[int, ...]  # flat leaves per treedef leaf
-    # per treedef leaf: the index of the partial argument node it is, or None; None
-    # when no output is one
-    out_sources: tuple[int | None, ...] | None
-
-
-@dataclasses.dataclass
-class _Split:
-    """The partial arguments, split once: graph definitions, Variables and constants."""
-
-    treedef: PyTreeDef  # of the partial arguments, graph nodes as leaves
-    leaves: list[Any]  # its leaves: graph nodes and constants
-    wheres: list[str]  # per leaf: ``partial_args[0]``
-    graphdefs: tuple[Any, ...]
-    sizes: tuple[int, ...]
-    items: list[Any]  # per flat leaf: the Variable, or the constant (an array)
-    sites: list[Site]
-    shardings: list[ShardingLike]  # per flat leaf
-    variables: list[nnx.Variable[Any]] = dataclasses.field(init=False)
-    constants: list[Leaf] = dataclasses.field(init=False)
-    order: list[int] = dataclasses.field(init=False)  # flat leaf -> index in a call's list
-
-    def __post_init__(self) -> None:
-        self.variables = [x for x in self.items if is_variable(x)]
-        self.constants = [x for x in self.items if not is_variable(x)]
-        n_var, k_var, k_const = len(self.variables), 0, 0
-        self.order = []
-        for x in self.items:
-            if is_variable(x):
-                self.order.append(k_var)
-                k_var += 1
-            else:
-                self.order.append(n_var + k_const)
-                k_const += 1
-
-    def partial_shardings(self) -> list[ShardingLike]:
-        """The shardings of a call's partial list (Variables, then constants)."""
-        by_index = [
-            self.shardings[i] for i in sorted(range(len(self.items)), key=self.order.__getitem__)
-        ]
-        return by_index
-
-
-def _split(partial_args: tuple[Any, ...], prefix: Any, name: str) -> _Split:
-    """Splits the partial arguments (graph nodes together: shared Variables stay one);
-    ``name``: what they are called in messages."""
-    keyed, treedef = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=is_node)
-    wheres = [f"{name}{keystr(kp)}" for kp, _ in keyed]
-    leaves = [leaf for _, leaf in keyed]
-    entries: list[Any] = [None] * len(leaves)
-    if prefix is not None:
-        entries = broadcast_prefix(
-            TRANSFORM, "in_shardings", prefix, partial_args, lambda kp: f"in_shardings{keystr(kp)}"
-        )
-    table = variable_shardings(
-        TRANSFORM,
-        "in_shardings",
-        [(w, x, e) for w, x, e in zip(wheres, leaves, entries, strict=True) if is_node(x)],
-    )
-    graphdefs, sizes, items, sites, shardings = [], [], [], [], []
-    with nnx.split_context() as ctx:
-        for leaf, where, entry in zip(leaves, wheres, entries, strict=True):
-            if is_node(leaf):
-                graphdef, flat = ctx.flatten(leaf)
-                graphdefs.append(graphdef)
-                sizes.append(len(flat.leaves))
-                for path, item in zip(flat.paths, flat.leaves, strict=True):
-                    items.append(item)
-                    sites.append(Site(where, tuple(path)))
-                    shardings.append(table.get(id(item), (None,))[0])
-            else:
-                graphdefs.append(None)
-                sizes.append(1)
-                items.append(leaf)
-                sites.append(Site(where, None))
-                shardings.append(entry)
-    return _Split(treedef, leaves, wheres, tuple(graphdefs), tuple(sizes), items, sites, shardings)
-
-
-def _check_tree_aliases(partial_args: tuple[Any, ...]) -> None:
-    """Tree mode: no Variable may be reached through two paths (flax's rule)."""
-    paths: dict[int, list[str]] = {}
-    kinds: dict[int, str] = {}
-    keyed = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=is_variable)[0]
-    for kp, leaf in keyed:
-        if is_variable(leaf):
-            paths.setdefault(id(leaf), []).append(f"partial_args{keystr(kp)}")
-            kinds[id(leaf)] = type(leaf).__name__
-    groups = [(kinds[k], p) for k, p in paths.items() if len(p) > 1]
-    if groups:
-        raise ValueError(_errors.partial_aliases(groups))
 
 
 def _inner_signature(fun: Callable[..., Any], n_partial: int) -> inspect.Signature | None:
@@ -315,162 +200,6 @@ def _as_tuple(x: Any) -> tuple[Any, ...]:
     return (x,) if isinstance(x, (int, str)) else tuple(x)
 
 
-def _rebuild(result: _Result, payload: Sequence[Leaf], nodes: Sequence[Any]) -> Any:
-    """The output: ``payload``'s graph nodes merged, partial argument ``nodes`` put back."""
-    if result.out_graphdefs is None:
-        return jax.tree_util.tree_unflatten(result.out_treedef, payload)
-    sources = result.out_sources or (None,) * len(result.out_graphdefs)
-    leaves, start = [], 0
-    with nnx.merge_context() as ctx:
-        for graphdef, size, source in zip(
-            result.out_graphdefs, result.out_sizes, sources, strict=True
-        ):
-            chunk, start = payload[start : start + size], start + size
-            if source is not None:
-                leaves.append(nodes[source])
-            else:
-                leaves.append(chunk[0] if graphdef is None else ctx.unflatten(graphdef, chunk))
-    return jax.tree_util.tree_unflatten(result.out_treedef, leaves)
-
-
-def _make_inner(
-    fun: Callable[..., Any],
-    split: _Split,
-    graph: bool,
-    donated: bool,
-    out_shardings: Any,
-    keep_structure: str | None,
-    transform: str,
-    argument: str,
-) -> Callable[..., Any]:
-    """The function jax traces: ``(partial list, *args, **kwargs) -> (_Result, written,
-    output leaves)``. ``keep_structure``: None to drop a structure change the function
-    makes to a partial argument (flax's jit_partial), else the rule for the error
-    raised on one."""
-    n_items = len(split.items)
-    variable_index = [i for i, x in enumerate(split.items) if is_variable(x)]
-    out_prefix = accept_flax(out_shardings)
-
-    def inner(partial: list[Leaf], *args: Any, **kwargs: Any) -> tuple[_Result, list, list]:
-        keyed = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_variable)[0]
-        if wrong := [_runtime_where(kp) for kp, x in keyed if is_variable(x)]:
-            raise ValueError(_errors.partial_runtime_variable(wrong))
-        leaves = [partial[split.order[i]] for i in range(n_items)]
-        with nnx.merge_context() as ctx:
-            nodes = unflatten_all(ctx, split.graphdefs, leaves, split.sizes)
-        partial_args = jax.tree_util.tree_unflatten(split.treedef, nodes)
-        with nnx.split_context() as ctx:  # the inner Variables, in the outer order
-            inner_items = [
-                item for node in nodes if is_node(node) for item in ctx.flatten(node)[1].leaves
-            ]
-        inner_vars = [x for x in inner_items if is_variable(x)]
-        before = [v.get_raw_value() for v in inner_vars]
-        metadata = [v.get_metadata() for v in inner_vars]
-        structures = snapshots(nodes) if keep_structure is not None else None
-        out = fun(*partial_args, *args, **kwargs)
-        if keep_structure is not None:
-            node_wheres = [w for w, n in zip(split.wheres, nodes, strict=True) if is_node(n)]
-            changed = [
-                w for w, s in zip(node_wheres, structures or [], strict=True) if not s.fresh()
-            ]
-            if changed or structures is None:
-                raise ValueError(
-                    _errors.structure_changed(
-                        transform, argument, changed or node_wheres, keep_structure, transform
-                    )
-                )
-        after = [v.get_raw_value() for v in inner_vars]
-        if moved := [
-            str(split.sites[variable_index[i]])
-            for i, v in enumerate(inner_vars)
-            if v.get_metadata() != metadata[i]
-        ]:
-            raise ValueError(_errors.partial_metadata_changed(moved))
-        written = tuple(i for i in range(len(inner_vars)) if donated or after[i] is not before[i])
-        values = []
-        for i in written:
-            value, sharding = after[i], split.shardings[variable_index[i]]
-            if sharding is not None and isinstance(value, jax.Array):
-                value = jax.lax.with_sharding_constraint(value, sharding)
-            values.append(value)
-        result, payload = _split_output(out, nodes, inner_vars, graph, out_prefix, transform)
-        return dataclasses.replace(result, written=written), values, payload
-
-    inner.__name__ = getattr(fun, "__name__", "fun")
-    inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
-    return inner
-
-
-def _split_output(
-    out: Any,
-    nodes: list[Any],
-    inputs: list[nnx.Variable[Any]],
-    graph: bool,
-    prefix: Any,
-    transform: str,
-) -> tuple[_Result, list[Leaf]]:
-    """The output as flat leaves (graph nodes split together) and its `_Result`.
-
-    An output that is a partial argument's graph node (``nodes``) comes back as that
-    very object; any other output holding one of its Variables is an error."""
-    keyed, treedef = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_node)
-    wheres = [f"output{keystr(kp)}" for kp, _ in keyed]
-    leaves = [leaf for _, leaf in keyed]
-    entries: list[Any] = [None] * len(leaves)
-    if prefix is not None:
-        entries = broadcast_prefix(
-            transform, "out_shardings", prefix, out, lambda kp: f"output{keystr(kp)}"
-        )
-    sources = [
-        next((k for k, n in enumerate(nodes) if n is leaf), None) if is_node(leaf) else None
-        for leaf in leaves
-    ]
-    table = variable_shardings(
-        transform,
-        "out_shardings",
-        [
-            (w, x, e)
-            for w, x, e, s in zip(wheres, leaves, entries, sources, strict=True)
-            if is_node(x) and s is None
-        ],
-    )
-    input_ids = {id(v) for v in inputs}
-    seen: dict[int, str] = {}
-    aliased: list[str] = []
-    graphdefs, sizes, payload = [], [], []
-    with nnx.split_context() as ctx:
-        for leaf, where, entry, source in zip(leaves, wheres, entries, sources, strict=True):
-            if not is_node(leaf) or source is not None:
-                graphdefs.append(None)
-                sizes.append(0 if source is not None else 1)
-                if source is None:
-                    if entry is not None and isinstance(leaf, jax.Array):
-                        leaf = jax.lax.with_sharding_constraint(leaf, entry)
-                    payload.append(leaf)
-                continue
-            graphdef, flat = ctx.flatten(leaf)
-            graphdefs.append(graphdef)
-            sizes.append(len(flat.leaves))
-            for path, item in zip(flat.paths, flat.leaves, strict=True):
-                site = where + format_path(tuple(path))
-                if is_variable(item) and (
-                    id(item) in input_ids or (not graph and id(item) in seen)
-                ):
-                    aliased.append(site)
-                seen.setdefault(id(item), site)
-                value = value_of(item)
-                sharding = table.get(id(item), (None,))[0]
-                if sharding is not None and isinstance(value, jax.Array):
-                    value = jax.lax.with_sharding_constraint(value, sharding)
-                payload.append(value)
-    if aliased:
-        raise ValueError(_errors.partial_output_aliases(aliased, transform))
-    returned = None if all(s is None for s in sources) else tuple(sources)
-    if all(g is None for g in graphdefs) and returned is None:
-        return _Result((), treedef, None, tuple(sizes), None), payload
-    return _Result((), treedef, tuple(graphdefs), tuple(sizes), returned), payload
-
-
 def jit_partial(
     fun: Callable[..., R],
     *partial_args: Any,
@@ -557,9 +286,3 @@ def jit_partial(
         graph=graph,
         graph_updates=graph_updates,
     )
-
-
-def _runtime_where(keypath: tuple[Any, ...]) -> str:
-    """A key path of a call's ``(args, kwargs)`` as ``args[0].w`` / ``kwargs['x']``."""
-    head = "args" if keypath[0].idx == 0 else "kwargs"
-    return head + keystr(keypath[1:])
