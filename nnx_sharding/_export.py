@@ -36,7 +36,7 @@ from ._graph import (
     unflatten_all,
 )
 from ._jit import JitWrapped
-from ._inner import make_inner
+from ._jit_inner import make_inner
 from ._sharding import format_path, is_node
 from ._stages import arrange
 

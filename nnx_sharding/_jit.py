@@ -21,7 +21,7 @@ from ._graph import (
     CallSpec,
     partition_args,
 )
-from ._inner import make_inner
+from ._jit_inner import make_inner
 from ._sharding import (
     accept_flax,
     is_node,

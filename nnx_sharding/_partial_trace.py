@@ -19,7 +19,8 @@ from flax import nnx
 from jax.tree_util import keystr
 
 from . import _errors
-from ._graph import Leaf, snapshots, unflatten_all, value_of
+from ._graph import Leaf, unflatten_all, value_of
+from ._graph_inner import snapshots
 from ._partial_split import _Split, is_variable
 from ._sharding import (
     accept_flax,

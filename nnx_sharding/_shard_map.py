@@ -30,18 +30,8 @@ from jax.tree_util import keystr
 from . import _errors
 from ._call import CachedCall
 from ._changes import graph_changes, graph_objects
-from ._graph import (
-    CallPlan,
-    CallSpec,
-    Leaf,
-    changed_inputs,
-    changed_structure,
-    checked_on_fast_calls,
-    merge_inputs,
-    snapshots,
-    split_inner,
-    value_of,
-)
+from ._graph import CallPlan, CallSpec, Leaf, checked_on_fast_calls, value_of
+from ._graph_inner import changed_inputs, changed_structure, merge_inputs, snapshots, split_inner
 from ._shard_map_layout import (
     AxisName,
     Flat,

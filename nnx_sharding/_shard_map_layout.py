@@ -20,7 +20,8 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import _errors
-from ._graph import CallPlan, InnerSplit, Leaf, unflatten_all, value_of
+from ._graph import CallPlan, Leaf, unflatten_all, value_of
+from ._graph_inner import InnerSplit
 from ._sharding import (
     FromState,
     ShardingLike,

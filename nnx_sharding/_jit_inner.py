@@ -16,18 +16,8 @@ import jax
 from flax import nnx
 
 from . import _errors
-from ._graph import (
-    CallPlan,
-    InnerSplit,
-    Leaf,
-    changed_inputs,
-    checked_on_fast_calls,
-    chunks,
-    merge_inputs,
-    snapshots,
-    split_inner,
-    value_of,
-)
+from ._graph import CallPlan, Leaf, checked_on_fast_calls, chunks, value_of
+from ._graph_inner import InnerSplit, changed_inputs, merge_inputs, snapshots, split_inner
 from ._sharding import (
     ShardingLike,
     StateSharding,
