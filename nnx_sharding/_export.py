@@ -177,6 +177,12 @@ def export(
         spec = CallSpec("export")
     with nnx.update_context(TAG):
         plan, leaves, sites, _ = split_call(spec, (*bound, *args), kwargs)
+        if alone := [
+            str(here[0])
+            for graphdef, here in zip(plan.graphdefs, chunks(sites, plan.sizes), strict=True)
+            if graphdef is not None and any(site.path == () for site in here)
+        ]:
+            raise TypeError(_errors.export_variable_argument("export", alone))
         if wrong := [
             (str(site), type(x).__name__)
             for x, site in zip(leaves, sites, strict=True)

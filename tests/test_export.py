@@ -301,3 +301,18 @@ def test_partition_specs_need_a_mesh():
         ValueError, match=r"export: in_shardings: the PartitionSpec .* needs a mesh"
     ):
         nnx_sharding.export(jitted, Net(), X)
+
+
+def test_a_variable_argument_is_refused_and_each_fix_works():
+    v = nnx.Param(jnp.ones(3))
+    with pytest.raises(TypeError) as e:
+        nnx_sharding.export(lambda v, x: v[...] * x, v, 2.0)
+    message = str(e.value)
+    assert "args[0] is a Variable, not inside a graph node" in message
+    assert "`nnx.Dict(w=v)`" in message and "`v[...]`" in message
+    boxed = nnx_sharding.export(lambda d, x: d["w"][...] * x, nnx.Dict(w=v), 2.0)
+    y, _ = boxed.call(nnx.state(nnx.Dict(w=v)), 2.0)
+    np.testing.assert_allclose(y, 2.0 * np.ones(3))
+    by_value = nnx_sharding.export(lambda w, x: w * x, v[...], 2.0)
+    y, _ = by_value.call(v[...], 2.0)
+    np.testing.assert_allclose(y, 2.0 * np.ones(3))

@@ -763,6 +763,24 @@ CASES = [
         check="y, _ = exported.call(model, x)\nclose(y, 2 * expected)",
     ),
     Case(
+        "export_variable_argument",
+        1,
+        "v = nnx.Param(jnp.ones(3))\n",
+        "nnx_sharding.export(lambda v, x: v[...] * x, v, 2.0)",
+        "exported = nnx_sharding.export(lambda d, x: d['w'][...] * x, nnx.Dict(w=v), 2.0)",
+        TypeError,
+        check="y, _ = exported.call(nnx.state(nnx.Dict(w=v)), 2.0)\nclose(y, 2.0 * v[...])",
+    ),
+    Case(
+        "export_variable_argument",
+        2,
+        "v = nnx.Param(jnp.ones(3))\n",
+        "nnx_sharding.export(lambda v, x: v[...] * x, v, 2.0)",
+        "exported = nnx_sharding.export(lambda w, x: w * x, v[...], 2.0)",
+        TypeError,
+        check="y, _ = exported.call(v[...], 2.0)\nclose(y, 2.0 * v[...])",
+    ),
+    Case(
         "export_too_few_devices",
         1,
         "import jax\n\njax.config.update('jax_num_cpu_devices', 8)\n"

@@ -312,6 +312,21 @@ def export_not_arrays(transform: str, problems: Sequence[tuple[str, str]]) -> st
     )
 
 
+def export_variable_argument(transform: str, problems: Sequence[str]) -> str:
+    """``problems``: where each Variable given as an argument (not inside a node) is."""
+    return format_message(
+        transform,
+        "arguments",
+        [f"{where} is a Variable, not inside a graph node" for where in problems],
+        "Rule: an exported program takes each graph node's state as an `nnx.State`, keyed "
+        "by the paths of its Variables; a Variable on its own has no path to key it by.",
+        [
+            "put it in a container and pass that: `nnx.Dict(w=v)` for the Variable `v`;",
+            "or pass its value: `v[...]`.",
+        ],
+    )
+
+
 def export_bad_arguments(transform: str, problems: Sequence[str]) -> str:
     return format_message(
         transform,
