@@ -148,7 +148,7 @@ def compile_devices(
         accelerator, named = resolve_accelerator(accelerator)
         topology = topology or named
     if n < 1 or num_slices < 1:
-        raise ValueError(f"plan: devices: {n} devices in {num_slices} slices; both must be >= 1.")
+        raise ValueError(_errors.plan_bad_devices(n, num_slices))
     if accelerator.kind == "tpu":
         return _tpu_devices(accelerator, n, topology, num_slices)
     if accelerator.kind == "gpu":

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import _errors
 from .._jit import JitWrapped, jit
 from .._sharding import StateSharding
 from ._cost import Memory, Time, format_bytes, format_seconds
@@ -92,12 +93,7 @@ class Plan:
         pool = list(jax.devices() if devices is None else devices)
         n = self.devices
         if len(pool) < n:
-            raise ValueError(
-                f"Plan.mesh: the plan {self.label} needs {n} devices and jax has "
-                f"{len(pool)}. Fixes: 1. run it where there are {n} devices; 2. to run it on "
-                f"simulated CPU devices, set the environment variables JAX_PLATFORMS=cpu "
-                f"and JAX_NUM_CPU_DEVICES={n} before jax is imported."
-            )
+            raise ValueError(_errors.plan_mesh_too_few_devices(self.label, n, len(pool)))
         grid = np.array(pool[:n], dtype=object).reshape(tuple(self.mesh_shape.values()))
         return Mesh(grid, tuple(self.mesh_shape), axis_types=(AxisType.Auto,) * len(grid.shape))
 
