@@ -103,14 +103,14 @@ class Plan:
         return bind(self.in_shardings, self.mesh() if mesh is None else mesh)
 
     def jit(
-        self, fun: Callable[..., Any], *, mesh: Mesh | None = None, **options: Any
+        self, fun: Callable[..., Any], *, mesh: Mesh | None = None, **jit_options: Any
     ) -> JitWrapped:
         """``nnx_sharding.jit(fun, in_shardings=...)`` laid out as this plan says.
 
-        ``options`` (``donate_argnums``, ...) default to those given to `plan`. Graph
+        ``jit_options`` (``donate_argnums``, ...) default to those given to `plan`. Graph
         nodes' updated state keeps its input sharding; the outputs are left to jax.
         """
-        options = {**self.options, **options}
+        options = {**self.options, **jit_options}
         static = options.get("static_argnums", ())
         static = {static} if isinstance(static, int) else set(static or ())
         shardings = self.shardings(mesh)
