@@ -1,5 +1,6 @@
 """The command line: ``python -m nnx_sharding [--devices N] [--steps N] [--mesh AXES]
-[--checkpoint DIR]``, and its commands (`SUBCOMMANDS`): ``python -m nnx_sharding aot ...``.
+[--checkpoint DIR]``, and its commands (`SUBCOMMANDS`): ``python -m nnx_sharding aot ...``,
+``python -m nnx_sharding plan ...``.
 
 Trains the tensor-parallel MLP recipe (`nnx_sharding.recipes`) on simulated CPU
 devices next to a single-device reference, then prints every parameter's sharding
@@ -33,6 +34,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "nnx_sharding._aot:aot_main",
         "compile a sharded transformer's training step ahead of time, never allocated; "
         "print its per-device memory and cost",
+    ),
+    "plan": (
+        "nnx_sharding.plan._cli:main",
+        "plan the built-in decoder's layout on N devices: every candidate compiled, "
+        "ranked by predicted step time",
     ),
 }
 """``python -m nnx_sharding NAME ...``: NAME -> (``module:function`` taking the rest of

@@ -35,6 +35,8 @@ from typing import Literal
 
 import numpy as np
 
+from .. import _errors
+
 __all__ = ["PRESETS", "Accelerator", "resolve_accelerator"]
 
 AcceleratorKind = Literal["gpu", "tpu", "cpu"]
@@ -81,12 +83,9 @@ class Accelerator:
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "tpu", "cpu"):
-            raise ValueError(f"Accelerator: kind: {self.kind!r} is not one of 'gpu', 'tpu', 'cpu'.")
+            raise ValueError(_errors.accelerator_bad_kind(self.kind))
         if not self.flops:
-            raise ValueError(
-                f"Accelerator {self.name!r}: flops: give at least one dtype's peak, "
-                "e.g. flops={'bfloat16': 989e12}."
-            )
+            raise ValueError(_errors.accelerator_no_flops(self.name))
         bad = [k for k, v in self.flops.items() if not (v > 0 and math.isfinite(v))]
         numbers = {
             "hbm_bytes": self.hbm_bytes,
@@ -99,10 +98,7 @@ class Accelerator:
         latencies = {"intra_latency": self.intra_latency, "inter_latency": self.inter_latency}
         bad += [k for k, v in latencies.items() if not (v >= 0 and math.isfinite(v))]
         if bad:
-            raise ValueError(
-                f"Accelerator {self.name!r}: these figures must be positive and finite "
-                f"(latencies may be 0): {', '.join(bad)}."
-            )
+            raise ValueError(_errors.accelerator_bad_figures(self.name, bad))
         # A read-only copy: the preset objects are shared by every caller.
         object.__setattr__(self, "flops", _ReadOnlyDict(self.flops))
 
@@ -129,7 +125,7 @@ class _ReadOnlyDict(dict):
     """A dict that refuses changes (and still copies, pickles and compares as a dict)."""
 
     def _refuse(self, *args: object, **kwargs: object) -> None:
-        raise TypeError("Accelerator.flops is read-only: use dataclasses.replace(..., flops=...)")
+        raise TypeError(_errors.accelerator_read_only_flops())
 
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
     __ior__ = _refuse  # type: ignore[assignment]
@@ -274,23 +270,16 @@ def resolve_accelerator(spec: str | Accelerator) -> tuple[Accelerator, str | Non
     if isinstance(spec, Accelerator):
         return spec, None
     if not isinstance(spec, str):
-        raise TypeError(
-            f"plan: accelerator: expected a preset name, a TPU topology such as "
-            f"'v5e:16x16', or an nnx_sharding.Accelerator, got {type(spec).__name__}."
-        )
+        raise TypeError(_errors.plan_bad_accelerator_type(spec))
     text = spec.strip().lower()
     name, _, shape = text.partition(":")
     name = _ALIASES.get(name, name)
     if name not in PRESETS:
-        from .. import _errors
-
         raise ValueError(_errors.plan_unknown_accelerator(spec, sorted(PRESETS), sorted(_ALIASES)))
     accelerator = PRESETS[name]
     if not shape:
         return accelerator, None
     dims = shape.split("x")
     if accelerator.kind != "tpu" or not all(d.isdigit() and int(d) > 0 for d in dims):
-        from .. import _errors
-
         raise ValueError(_errors.plan_bad_topology(spec, accelerator.kind))
     return accelerator, f"{name}:{shape}"

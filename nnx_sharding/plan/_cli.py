@@ -13,29 +13,15 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
+
+from .._cli import Parser, cpu_devices_or_rerun, positive
 
 PROG = "python -m nnx_sharding plan"
 RULES = [("heads", "model"), ("mlp", "model"), ("vocab", "model"), ("embed", None)]
 """The decoder's logical axes: tensor parallelism splits heads, MLP units and the
 vocabulary; FSDP picks each Variable's largest dimension itself."""
 MAX_DEVICES = 1024
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line on stderr, exit status 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _size(text: str) -> int:
@@ -54,11 +40,11 @@ def parser() -> argparse.ArgumentParser:
     from .._aot import CONFIGS
     from ._layouts import LAYOUTS
 
-    p = _Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
+    p = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
     p.add_argument("--config", default="1b", choices=list(CONFIGS), help="the decoder (1b)")
     p.add_argument(
         "--devices",
-        type=_positive,
+        type=positive,
         help=f"devices to plan for, up to {MAX_DEVICES} (default: a TPU topology's chips, else 8)",
     )
     p.add_argument(
@@ -72,12 +58,12 @@ def parser() -> argparse.ArgumentParser:
         type=_size,
         help="bytes per device, e.g. 80GiB (default: the accelerator's memory)",
     )
-    p.add_argument("--batch", type=_positive, help="sequences per step (default: the config's)")
-    p.add_argument("--seq", type=_positive, help="tokens per sequence (default: the config's)")
+    p.add_argument("--batch", type=positive, help="sequences per step (default: the config's)")
+    p.add_argument("--seq", type=positive, help="tokens per sequence (default: the config's)")
     p.add_argument(
         "--layouts", help=f"comma-separated subset of {','.join(LAYOUTS)} (default: all)"
     )
-    p.add_argument("--num-slices", type=_positive, default=1, help="TPU slices (1)")
+    p.add_argument("--num-slices", type=positive, default=1, help="TPU slices (1)")
     p.add_argument("--plot", metavar="FILE", help="also save the plot (needs matplotlib)")
     return p
 
@@ -115,7 +101,7 @@ def main(argv: Sequence[str]) -> int:
         accelerator.kind == "gpu" and has_gpu_compiler()
     )
     if not compile_only:
-        status = _cpu_devices(devices, ["plan", *argv])
+        status = cpu_devices_or_rerun(devices, ["plan", *argv])
         if status is not None:
             return status
     else:  # compile-only devices need no accelerator: keep jax off any it would probe
@@ -123,23 +109,6 @@ def main(argv: Sequence[str]) -> int:
 
         jax.config.update("jax_platforms", "cpu")
     return _run(args, accelerator if topology is None else args.accelerator, devices, layouts)
-
-
-def _cpu_devices(count: int, argv: list[str]) -> int | None:
-    """This process with ``count`` simulated CPU devices (None), or the exit status of
-    the command re-run in a fresh process that has them."""
-    try:
-        from .._cli import cpu_devices_or_rerun
-    except ImportError:  # a package without the shared command-line helpers
-        import jax
-
-        try:
-            jax.config.update("jax_platforms", "cpu")
-            jax.config.update("jax_num_cpu_devices", count)
-        except RuntimeError:  # jax has started: `plan` says if it has too few
-            pass
-        return None
-    return cpu_devices_or_rerun(count, argv)
 
 
 def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any) -> int:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .. import _errors
 from ._hlo import Collective
 
 
@@ -159,8 +160,4 @@ def parse_bytes(text: str | int) -> int:
             value = -1.0
         if unit in units and value > 0:
             return int(value * units[unit])
-    raise ValueError(
-        f"plan: memory_limit={text!r} is not a size. It takes a positive number of bytes "
-        "(an int, e.g. 85899345920) or a string with a unit: '80GiB', '16 GB', '512MiB' "
-        "(units B, KB, MB, GB, TB and KiB, MiB, GiB, TiB)."
-    )
+    raise ValueError(_errors.plan_bad_memory_limit(text))

@@ -10,6 +10,15 @@ data (``gpu_targets/*.txtpb``) per GPU preset.
 
 The plugins print their initialisation errors (no driver, no TPU host) on stderr; the
 calls here run with stderr and jax's plugin logging silenced (`nnx_sharding._quiet`).
+
+Two processes that load ``libtpu`` at once fail on its lock file (``/tmp/libtpu_lockfile``)
+unless ``ALLOW_MULTIPLE_LIBTPU_LOAD`` is set: importing this module sets it (unless the
+environment already says otherwise), so that planning runs in parallel processes.
+
+On a machine without CUDA, the CUDA plugin refuses to register itself when jax's platforms
+are left unset (its CUDA version check fails), and jax then has no GPU topology; the
+planner registers it again with that check skipped (`_register_cuda_plugin`), so the GPU
+compiler is used whether or not ``JAX_PLATFORMS`` is set.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import functools
 import importlib.resources
 import importlib.util
 import math
+import os
 from collections.abc import Iterator
 from typing import Literal
 
@@ -26,6 +36,10 @@ import jax
 from .. import _errors
 from .._quiet import quiet
 from ._accelerator import Accelerator, resolve_accelerator
+
+# Before libtpu is first loaded (a jax backend or a TPU topology): processes planning in
+# parallel would otherwise fail on libtpu's lock file.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 __all__ = ["compile_devices", "default_tpu_topology", "has_gpu_compiler", "has_tpu_compiler"]
 
@@ -114,11 +128,47 @@ def _gpu_topology(name: str, topology: str) -> tuple[jax.Device, ...]:
 
     text = gpu_target_config(name)
     with quiet():
-        return tuple(
-            topologies.get_topology_desc(
+        try:
+            described = topologies.get_topology_desc(
                 platform="cuda", target_config=text, topology=topology
-            ).devices
-        )
+            )
+        except NotImplementedError:  # the plugin did not register: no CUDA here
+            if not _register_cuda_plugin():
+                raise
+            described = topologies.get_topology_desc(
+                platform="cuda", target_config=text, topology=topology
+            )
+        return tuple(described.devices)
+
+
+def _register_cuda_plugin() -> bool:
+    """Registers jax's CUDA plugin for compiling only; whether it registered.
+
+    With jax's platforms unset, the plugin's ``initialize`` (the entry point jax calls for
+    every installed plugin) first checks the CUDA libraries and, on a machine without
+    them, raises before registering: jax then knows no ``cuda`` topology. Compiling needs
+    none of those libraries, so this calls ``initialize`` again with that check skipped
+    (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``, set only for the call). A backend jax starts
+    later still finds no GPU and falls back to the CPU, as it did before.
+    """
+    import importlib
+
+    try:
+        plugin = importlib.import_module("jax_plugins.xla_cuda12")
+    except ImportError:
+        return False
+    saved = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    try:
+        plugin.initialize()
+    except Exception:  # noqa: BLE001 - the plugin cannot register: the caller's fallback
+        return False
+    finally:
+        if saved is None:
+            del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
+        else:
+            os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = saved
+    return True
 
 
 def compile_devices(
@@ -148,7 +198,7 @@ def compile_devices(
         accelerator, named = resolve_accelerator(accelerator)
         topology = topology or named
     if n < 1 or num_slices < 1:
-        raise ValueError(f"plan: devices: {n} devices in {num_slices} slices; both must be >= 1.")
+        raise ValueError(_errors.plan_bad_devices(n, num_slices))
     if accelerator.kind == "tpu":
         return _tpu_devices(accelerator, n, topology, num_slices)
     if accelerator.kind == "gpu":

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import _errors
 from .._jit import JitWrapped, jit
 from .._sharding import StateSharding
 from ._cost import Memory, Time, format_bytes, format_seconds
@@ -92,12 +93,7 @@ class Plan:
         pool = list(jax.devices() if devices is None else devices)
         n = self.devices
         if len(pool) < n:
-            raise ValueError(
-                f"Plan.mesh: the plan {self.label} needs {n} devices and jax has "
-                f"{len(pool)}. Fixes: 1. run it where there are {n} devices; 2. to run it on "
-                f"simulated CPU devices, set the environment variables JAX_PLATFORMS=cpu "
-                f"and JAX_NUM_CPU_DEVICES={n} before jax is imported."
-            )
+            raise ValueError(_errors.plan_mesh_too_few_devices(self.label, n, len(pool)))
         grid = np.array(pool[:n], dtype=object).reshape(tuple(self.mesh_shape.values()))
         return Mesh(grid, tuple(self.mesh_shape), axis_types=(AxisType.Auto,) * len(grid.shape))
 
@@ -107,14 +103,14 @@ class Plan:
         return bind(self.in_shardings, self.mesh() if mesh is None else mesh)
 
     def jit(
-        self, fun: Callable[..., Any], *, mesh: Mesh | None = None, **options: Any
+        self, fun: Callable[..., Any], *, mesh: Mesh | None = None, **jit_options: Any
     ) -> JitWrapped:
         """``nnx_sharding.jit(fun, in_shardings=...)`` laid out as this plan says.
 
-        ``options`` (``donate_argnums``, ...) default to those given to `plan`. Graph
+        ``jit_options`` (``donate_argnums``, ...) default to those given to `plan`. Graph
         nodes' updated state keeps its input sharding; the outputs are left to jax.
         """
-        options = {**self.options, **options}
+        options = {**self.options, **jit_options}
         static = options.get("static_argnums", ())
         static = {static} if isinstance(static, int) else set(static or ())
         shardings = self.shardings(mesh)

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from .. import _errors
 from .._jit import resolve_argnums
 from .._sharding import is_node
 from ._compile import Step, abstract, compile_candidate
@@ -78,12 +79,12 @@ def plan(
     accel, topology = resolve_accelerator(accelerator)
     unknown = [name for name in layouts or () if name not in LAYOUTS]
     if unknown:
-        raise ValueError(f"plan: unknown layouts {unknown}; the layouts are {', '.join(LAYOUTS)}")
+        raise ValueError(_errors.plan_unknown_layouts(unknown, LAYOUTS))
     limit = accel.hbm_bytes if memory_limit is None else parse_bytes(memory_limit)
     if isinstance(devices, int) or devices is None:
         n = devices if devices is not None else _default_count(topology, num_slices)
         if n < 1:
-            raise ValueError(f"plan: devices={n}; expected a positive number of devices")
+            raise ValueError(_errors.plan_bad_device_count(n))
         pool, compiler, note = compile_devices(accel, n, topology, num_slices)
     else:
         pool = list(devices)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .. import _errors
 from .._sharding import StateSharding, is_node
 from ._compile import Step
 from ._cost import format_bytes, format_seconds
@@ -85,15 +86,17 @@ class Plans(Sequence[Plan]):
             reasons = "; ".join(f"{p.label}: {p.reason}" for p in self._plans[:3])
             more = len(self._plans) - 3
             reasons += f"; and {more} more (see the table)" if more > 0 else ""
-            raise ValueError(f"plan: no candidate could be built. {reasons}")
+            raise ValueError(_errors.plan_no_candidate_built(reasons))
         closest = min(built, key=lambda p: p.memory.peak)
         miss = shortfall(closest, self.limit)
         raise ValueError(
-            f"plan: no layout fits in {format_bytes(self.limit)} per device. The closest is "
-            f"{closest.label}, which needs {format_bytes(closest.memory.peak)} per device: "
-            f"{format_bytes(miss)} ({miss:,} bytes) too many. Fixes: 1. plan for more "
-            "devices (devices=...); 2. raise memory_limit if the devices have more memory; "
-            "3. shrink the batch or the model, or donate the state (donate_argnums=...)."
+            _errors.plan_nothing_fits(
+                format_bytes(self.limit),
+                closest.label,
+                format_bytes(closest.memory.peak),
+                format_bytes(miss),
+                miss,
+            )
         )
 
     def table(self) -> Table:
@@ -177,9 +180,7 @@ class Plans(Sequence[Plan]):
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError as e:
-            raise ImportError(
-                "Plans.plot needs matplotlib: pip install 'nnx_sharding[bench]'"
-            ) from e
+            raise ImportError(_errors.plan_needs_matplotlib()) from e
         from matplotlib.ticker import FuncFormatter
 
         built = [p for p in self._plans if p.memory is not None and p.time is not None]

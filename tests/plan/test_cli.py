@@ -37,3 +37,29 @@ def test_a_bad_option_is_one_line_and_status_2(option, message, capsys):
     err = capsys.readouterr().err
     assert err.startswith("python -m nnx_sharding plan: error:") and message in err
     assert err.count("\n") == 1
+
+
+def test_plan_is_a_command_of_the_main_job():
+    """``python -m nnx_sharding plan --help``: the command's own options."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    run = subprocess.run(
+        [sys.executable, "-m", "nnx_sharding", "plan", "--help"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("usage: python -m nnx_sharding plan [-h] [--config")
+    for option in ("--devices", "--accelerator", "--memory-limit", "--layouts", "--plot"):
+        assert option in run.stdout
+
+
+def test_a_device_count_the_process_lacks_reruns_the_command(capfd):
+    """This process has 8 CPU devices: planning for 2 runs the command again with 2
+    (the main job's one device-count mechanism)."""
+    argv = ["--config", "tiny", "--devices", "2", "--accelerator", "cpu", "--layouts", "dp"]
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    assert "for 2 devices of cpu" in out and "data=2" in out and "best: Plan(" in out

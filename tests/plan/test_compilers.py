@@ -54,3 +54,38 @@ def test_fsdp_reduce_scatters_gradients_and_holds_an_eighth(accelerator, compile
     # the kernel, gathered for the pass (the TPU compiler's gather moves half the bytes)
     assert fsdp.collectives["all-gather"] == (kernel // 2 if compiler == "tpu" else kernel)
     assert dp.collectives["all-reduce"] == kernel + 4  # the gradient and the loss
+
+
+SCRIPT = """
+import os
+import jax, jax.numpy as jnp
+from flax import nnx
+import nnx_sharding
+model = nnx.eval_shape(lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0)))
+x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+plans = nnx_sharding.plan(
+    lambda m, x: (m(x) ** 2).mean(), model, x, devices=8, accelerator=ACCELERATOR,
+    layouts=["dp"],
+)
+print(plans[0].compiler, plans[0].reason)
+assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1"  # set before libtpu loaded
+"""
+
+
+@pytest.mark.parametrize(("accelerator", "compiler"), TARGETS)
+def test_the_compilers_are_used_from_python_with_no_platform_set(accelerator, compiler):
+    """A fresh process with no JAX_PLATFORMS (the CUDA plugin then refuses to register on
+    a machine without CUDA, and jax would know no GPU topology) still plans with the
+    target's compiler: the planner registers the plugin for compiling."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env.pop("ALLOW_MULTIPLE_LIBTPU_LOAD", None)
+    code = SCRIPT.replace("ACCELERATOR", repr(accelerator))
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout == f"{compiler} None\n"
