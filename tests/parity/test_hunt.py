@@ -85,3 +85,21 @@ def test_shard_map_retrace_on_a_fast_call_that_builds_a_variable():
         log.state("m", m)
 
     parity(scenario)
+
+
+def test_cached_partial_retrace_on_a_fast_call_that_builds_a_variable():
+    # the same defect under flax's nnx.cached_partial wrapped around our jit (a module
+    # without plain array attributes: flax's cached_partial fails on those itself)
+    def scenario(impl, log):
+        m = nnx.Module()
+        m.p, m.count = nnx.Param(jnp.ones(2)), nnx.BatchStat(jnp.array(0))
+        m.a = nnx.Param(jnp.ones(2))
+        f = nnx.cached_partial(impl.jit(_new_variable_when_wide), m)
+        for i in range(2):
+            log.value(f"out{i}", f(X))
+        m.p.set_value(jnp.ones(3))
+        for i in range(2, 4):
+            log.value(f"out{i}", f(X))
+        log.state("m", m)
+
+    parity(scenario)
