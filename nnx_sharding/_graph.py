@@ -168,7 +168,11 @@ def checked_on_fast_calls(inner: Inner) -> Inner:
     def checked(donated: list[Leaf], kept: list[Leaf]) -> tuple[OutPlan, list[Leaf], list[Leaf]]:
         fast, FAST_CALL.active = FAST_CALL.active, False
         try:
-            out = inner(donated, kept)
+            if fast:  # a context of its own: a trace given up must not leave its
+                with nnx.update_context(TAG):  # references in the one the full path uses
+                    out = inner(donated, kept)
+            else:
+                out = inner(donated, kept)
         finally:
             FAST_CALL.active = fast
         if fast and not out[0].fast:
