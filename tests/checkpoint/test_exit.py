@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_sharding import checkpoint
+from nnx_sharding import _quiet, checkpoint
 
 RUNS = 9
 AT_ONCE = 3
@@ -121,6 +121,12 @@ FAILING = textwrap.dedent(
 )
 
 
+def _noise(line: str) -> bool:
+    """Python warnings, and what the CUDA plugin (the ``gpu`` extra) prints on a machine
+    without a driver whenever jax is imported."""
+    return "Warning" in line or any(known in line for known in _quiet._KNOWN_NOISE)
+
+
 def test_a_pending_save_that_fails_at_exit_is_one_line(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-c", FAILING, str(tmp_path)],
@@ -131,7 +137,7 @@ def test_a_pending_save_that_fails_at_exit_is_one_line(tmp_path: Path) -> None:
     )
     context = f"rc {run.returncode}\n{run.stdout}\n{run.stderr}"
     assert run.returncode == 0 and "end of script" in run.stdout, context
-    assert [line for line in run.stderr.splitlines() if "Warning" not in line] == [
+    assert [line for line in run.stderr.splitlines() if not _noise(line)] == [
         "nnx_sharding.checkpoint: at exit: [Errno 27] Manager.close: directory: could not "
         f"write the checkpoint step 2 of {tmp_path}: File too large"
     ], context

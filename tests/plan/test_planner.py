@@ -84,13 +84,15 @@ def test_a_memory_limit_below_data_parallel_moves_to_a_sharded_layout():
     model, optimizer = abstract_mlp()
     x = jax.ShapeDtypeStruct((8 * 2048, 1024), jnp.float32)
     layouts = ["dp", "dp+tp"]  # (FSDP, whose update is an eighth, beats dp at any limit)
+    # The CPU compiler's figures, whatever compilers are installed: the GPU compiler's
+    # activations for this batch leave dp+tp's peak no lower than dp's.
     free = nnx_sharding.plan(
         sgd_step,
         model,
         optimizer,
         x,
         devices=8,
-        accelerator="h100",
+        accelerator="cpu",
         layouts=layouts,
         donate_argnums=(0, 1),
     )
@@ -102,7 +104,7 @@ def test_a_memory_limit_below_data_parallel_moves_to_a_sharded_layout():
         optimizer,
         x,
         devices=8,
-        accelerator="h100",
+        accelerator="cpu",
         layouts=layouts,
         memory_limit=limit,
         donate_argnums=(0, 1),
