@@ -33,7 +33,9 @@ from ._sharding import (
     accept_flax,
     broadcast_prefix,
     format_path,
+    incompatible_shardings,
     is_node,
+    mismatched_shardings,
     variable_shardings,
 )
 from ._types import Device, PyTreeDef
@@ -265,7 +267,11 @@ class JitPartialWrapped(Generic[R]):
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         partial = [*map(self._read, self._variables), *self._constants]
-        result, written, payload = self._jitted(partial, *args, **kwargs)
+        try:
+            result, written, payload = self._jitted(partial, *args, **kwargs)
+        except ValueError as e:
+            self._explain(e, partial)
+            raise
         known = self._traces.get(id(result))  # one _Result a trace: known after its first call
         if known is None:
             known = self._traces[id(result)] = self._learn(result, partial, args, kwargs)
@@ -279,6 +285,23 @@ class JitPartialWrapped(Generic[R]):
         if result.out_graphdefs is None:  # no graph node in the output
             return jax.tree_util.tree_unflatten(result.out_treedef, payload)
         return _rebuild(result, payload, self._split.leaves)
+
+    def _explain(self, error: ValueError, partial: list[Leaf]) -> None:
+        """Re-raises jax's complaint about a partial argument's array (a sharding that
+        does not fit it, or one it is committed to otherwise) naming its path."""
+        split = self._split
+        by_index = sorted(range(len(split.items)), key=split.order.__getitem__)
+        sites = [split.sites[i] for i in by_index]
+        shardings = split.partial_shardings()
+        if wrong := incompatible_shardings(partial, shardings, sites):
+            message = _errors.bad_shardings(self._transform, "in_shardings", wrong, str(error))
+        elif "does not match the sharding" in str(error) and (
+            moved := mismatched_shardings(partial, shardings, sites)
+        ):
+            message = _errors.sharding_mismatch(self._transform, "in_shardings", moved)
+        else:
+            return
+        raise ValueError(message).with_traceback(error.__traceback__) from None
 
     def _check_writable(self) -> None:
         """Raises flax's TraceContextError, before anything is written, if a Variable of

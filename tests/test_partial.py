@@ -421,3 +421,49 @@ def test_cached_partial_over_jit_with_static_and_donated_call_arguments():
         outs.append(([call(x, 2.0), call(X + 0.0, 3.0), call(X + 0.0, scale=2.0)], state(model)))
         assert x.is_deleted()
     assert same(*outs)
+
+
+def record(node):
+    flat = nnx.to_flat_state(nnx.state(node))
+    return [(p, v.get_value(), v.get_value().sharding) for p, v in flat]
+
+
+def assert_unchanged(node, before):
+    after = record(node)
+    assert [p for p, *_ in after] == [p for p, *_ in before]
+    for (_, a, sa), (_, b, sb) in zip(after, before, strict=True):
+        assert a is b and sa == sb
+
+
+def test_a_committed_partial_argument_on_another_sharding_is_named_and_fix_1_works():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rules = nnx_sharding.StateSharding({nnx.PathContains("kernel"): P(None, "model"), ...: P()})
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))  # committed, replicated
+        before = record(model)
+        step = nnx_sharding.jit_partial(lambda m, x: m(x), model, in_shardings=(rules, None))
+        with pytest.raises(ValueError) as error:
+            step(jnp.ones((4, 16)))
+        assert str(error.value).startswith(
+            "jit_partial: in_shardings: the array at partial_args[0].kernel is committed to "
+        )
+        assert "Fixes:\n  1. move it first" in str(error.value)
+        assert_unchanged(model, before)
+        nnx_sharding.shard(model, rules)  # fix 1
+        assert step(jnp.ones((4, 16))).shape == (4, 64)
+        assert model.kernel.get_value().sharding.spec == P(None, "model")
+
+
+def test_a_partial_sharding_of_too_high_rank_is_named():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+    before = record(model)
+    step = nnx_sharding.jit_partial(
+        lambda m, x: m(x), model, in_shardings=(P(None, None, "model"), None)
+    )
+    with jax.set_mesh(mesh), pytest.raises(ValueError) as error:
+        step(jnp.ones((4, 16)))
+    message = str(error.value)
+    assert message.startswith("jit_partial: in_shardings: 2 problems:\n  - partial_args[0].bias:")
+    assert "the spec needs rank at least 3, but the value has rank 1" in message
+    assert_unchanged(model, before)
