@@ -263,6 +263,8 @@ class JitPartialWrapped(Generic[R]):
         signature = _inner_signature(fun, n)
         if signature is not None:
             inner.__signature__ = signature  # type: ignore[attr-defined]
+        if 0 in _as_tuple(static_argnums):
+            raise ValueError(_errors.partial_static(n))
         self._jitted = jax.jit(inner, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:

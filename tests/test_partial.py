@@ -467,3 +467,28 @@ def test_a_partial_sharding_of_too_high_rank_is_named():
     assert message.startswith("jit_partial: in_shardings: 2 problems:\n  - partial_args[0].bias:")
     assert "the spec needs rank at least 3, but the value has rank 1" in message
     assert_unchanged(model, before)
+
+
+def test_static_argnums_0_names_the_partial_arguments_and_both_fixes_work():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    def scaled(m, n, x):
+        assert isinstance(n, int)  # static: a Python int, not a tracer
+        return m(x) * n
+
+    with pytest.raises(ValueError) as error:
+        nnx_sharding.jit_partial(scaled, model, static_argnums=0)
+    assert str(error.value).startswith(
+        "jit_partial: static_argnums: 0 is the partial arguments (all of them together), "
+        "which cannot be static\nRule: "
+    )
+    x = jnp.ones((1, 2))
+    expected = model(x) * 3
+    # fix 1: without 0 (here nothing else is static)
+    plain = nnx_sharding.jit_partial(lambda m, x: m(x) * 3, model)
+    assert jnp.array_equal(plain(x), expected)
+    # fix 2: the call's first argument counted from 1, or named
+    counted = nnx_sharding.jit_partial(scaled, model, static_argnums=1)
+    assert jnp.array_equal(counted(3, x), expected)
+    named = nnx_sharding.jit_partial(scaled, model, static_argnames="n")
+    assert jnp.array_equal(named(n=3, x=x), expected)
