@@ -520,9 +520,10 @@ def jit_partial(
     writes the values it changed back into them: updates made between calls are used,
     updates made inside reach the caller's objects. Their structure is taken as fixed:
     a Variable or submodule attached to them later is not seen, and one attached inside
-    the function is dropped. That is what makes a call cheap: a read of the values, jax's
-    dispatch and a write of the changed ones (no walk of the graphs). Use `jit` where
-    the structure changes.
+    the function is dropped. Static attributes are structure too: ``model.eval()`` or
+    ``model.train()`` after binding is not seen (bind one function per mode). That is
+    what makes a call cheap: a read of the values, jax's dispatch and a write of the
+    changed ones (no walk of the graphs). Use `jit` where the structure changes.
 
     Unlike flax, every ``graph``/``graph_updates`` combination is accepted: tree mode
     (``graph=False``) refuses a Variable shared by two paths, as flax does; graph mode

@@ -492,3 +492,52 @@ def test_static_argnums_0_names_the_partial_arguments_and_both_fixes_work():
     assert jnp.array_equal(counted(3, x), expected)
     named = nnx_sharding.jit_partial(scaled, model, static_argnames="n")
     assert jnp.array_equal(named(n=3, x=x), expected)
+
+
+def test_eval_and_train_after_binding_are_not_seen_and_one_function_per_mode_matches_flax():
+    def build():
+        rngs = nnx.Rngs(0, dropout=1)
+        model = nnx.Sequential(
+            nnx.Linear(4, 8, rngs=rngs), nnx.BatchNorm(8, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+        )
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def train_step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def eval_step(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    model, optimizer = build()  # flax's nnx.jit, switching modes: the reference
+    train, evaluate = nnx.jit(train_step), nnx.jit(eval_step)
+    expected = []
+    for _ in range(2):
+        model.train()
+        expected.append(train(model, optimizer, x))
+        model.eval()
+        expected.append(evaluate(model, x))
+
+    model, optimizer = build()  # bound once, modes switched after binding: not seen
+    train, evaluate = (
+        nnx_sharding.jit_partial(f, *a)
+        for f, a in [(train_step, (model, optimizer)), (eval_step, (model,))]
+    )
+    stale = []
+    for _ in range(2):
+        model.train()
+        stale.append(train(x))
+        model.eval()
+        stale.append(evaluate(x))
+    assert not jnp.array_equal(stale[1], expected[1])  # the eval step ran in train mode
+
+    model, optimizer = build()  # one function per mode: exactly flax's nnx.jit
+    model.eval()
+    evaluate = nnx_sharding.jit_partial(eval_step, model)
+    model.train()
+    train = nnx_sharding.jit_partial(train_step, model, optimizer)
+    got = [f() for _ in range(2) for f in (lambda: train(x), lambda: evaluate(x))]
+    for a, b in zip(got, expected, strict=True):
+        assert jnp.array_equal(a, b)
