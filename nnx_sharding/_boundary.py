@@ -49,16 +49,17 @@ def call_flat(
             raise RuntimeError(message).with_traceback(e.__traceback__) from None
         if isinstance(e, RuntimeError):
             raise
-        message = _errors.name_leaves(str(e), *plan.partition(sites))
-        if message == str(e):
-            if wrong := incompatible_shardings(leaves, plan.shardings, sites, mesh):
-                message = _errors.bad_shardings(spec.transform, spec.in_name, wrong, str(e))
-            elif "does not match the sharding" in str(e) and (
-                moved := mismatched_shardings(leaves, plan.shardings, sites, mesh)
-            ):
-                message = _errors.sharding_mismatch(spec.transform, spec.in_name, moved)
-            else:
-                raise
+        named = _errors.name_leaves(str(e), *plan.partition(sites))
+        if wrong := incompatible_shardings(leaves, plan.shardings, sites, mesh):
+            message = _errors.bad_shardings(spec.transform, spec.in_name, wrong, named)
+        elif "does not match the sharding" in str(e) and (
+            moved := mismatched_shardings(leaves, plan.shardings, sites, mesh)
+        ):
+            message = _errors.sharding_mismatch(spec.transform, spec.in_name, moved)
+        elif named != str(e):
+            message = named
+        else:
+            raise
         raise type(e)(message).with_traceback(e.__traceback__) from None
 
 

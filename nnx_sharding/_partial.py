@@ -28,7 +28,7 @@ from ._cache import trace_state
 from ._graph import Leaf
 from ._partial_split import TRANSFORM, _check_tree_aliases, _split, is_variable
 from ._partial_trace import _make_inner, _rebuild, _Result
-from ._sharding import accept_flax
+from ._sharding import accept_flax, incompatible_shardings, mismatched_shardings
 from ._types import Device
 
 R = TypeVar("R")
@@ -146,11 +146,17 @@ class JitPartialWrapped(Generic[R]):
         signature = _inner_signature(fun, n)
         if signature is not None:
             inner.__signature__ = signature  # type: ignore[attr-defined]
+        if 0 in _as_tuple(static_argnums):
+            raise ValueError(_errors.partial_static(n))
         self._jitted = jax.jit(inner, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         partial = [*map(self._read, self._variables), *self._constants]
-        result, written, payload = self._jitted(partial, *args, **kwargs)
+        try:
+            result, written, payload = self._jitted(partial, *args, **kwargs)
+        except ValueError as e:
+            self._explain(e, partial)
+            raise
         known = self._traces.get(id(result))  # one _Result a trace: known after its first call
         if known is None:
             known = self._traces[id(result)] = self._learn(result, partial, args, kwargs)
@@ -164,6 +170,23 @@ class JitPartialWrapped(Generic[R]):
         if result.out_graphdefs is None:  # no graph node in the output
             return jax.tree_util.tree_unflatten(result.out_treedef, payload)
         return _rebuild(result, payload, self._split.leaves)
+
+    def _explain(self, error: ValueError, partial: list[Leaf]) -> None:
+        """Re-raises jax's complaint about a partial argument's array (a sharding that
+        does not fit it, or one it is committed to otherwise) naming its path."""
+        split = self._split
+        by_index = sorted(range(len(split.items)), key=split.order.__getitem__)
+        sites = [split.sites[i] for i in by_index]
+        shardings = split.partial_shardings()
+        if wrong := incompatible_shardings(partial, shardings, sites):
+            message = _errors.bad_shardings(self._transform, "in_shardings", wrong, str(error))
+        elif "does not match the sharding" in str(error) and (
+            moved := mismatched_shardings(partial, shardings, sites)
+        ):
+            message = _errors.sharding_mismatch(self._transform, "in_shardings", moved)
+        else:
+            return
+        raise ValueError(message).with_traceback(error.__traceback__) from None
 
     def _check_writable(self) -> None:
         """Raises flax's TraceContextError, before anything is written, if a Variable of
@@ -224,9 +247,10 @@ def jit_partial(
     writes the values it changed back into them: updates made between calls are used,
     updates made inside reach the caller's objects. Their structure is taken as fixed:
     a Variable or submodule attached to them later is not seen, and one attached inside
-    the function is dropped. That is what makes a call cheap: a read of the values, jax's
-    dispatch and a write of the changed ones (no walk of the graphs). Use `jit` where
-    the structure changes.
+    the function is dropped. Static attributes are structure too: ``model.eval()`` or
+    ``model.train()`` after binding is not seen (bind one function per mode). That is
+    what makes a call cheap: a read of the values, jax's dispatch and a write of the
+    changed ones (no walk of the graphs). Use `jit` where the structure changes.
 
     Unlike flax, every ``graph``/``graph_updates`` combination is accepted: tree mode
     (``graph=False``) refuses a Variable shared by two paths, as flax does; graph mode

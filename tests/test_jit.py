@@ -706,3 +706,28 @@ def test_signature_has_every_parameter_of_flax_jit():
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values())
     text = pydoc.render_doc(nnx_sharding.jit, renderer=pydoc.plaintext)
     assert all(f"{name}:" in text for name in theirs), text
+
+
+def test_an_in_sharding_of_too_high_rank_is_a_structured_error_naming_each_variable():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+    rules = nnx_sharding.StateSharding({nnx.Param: P(None, None, "model")})
+    f = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(rules, None))
+    with jax.set_mesh(mesh), pytest.raises(ValueError) as error:
+        f(model, jnp.ones((4, 16)))
+    message = str(error.value)
+    assert message.startswith("jit: in_shardings: 2 problems:\n  - args[0].bias: shape (64,)")
+    assert "  - args[0].kernel: shape (16, 64)" in message
+    assert "the spec needs rank at least 3, but the value has rank 2" in message
+    assert "\nFixes:\n  1. change the filter or spec" in message
+
+
+def test_in_shardings_with_keyword_arguments_says_to_pass_them_positionally_and_that_works():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model, x = nnx.Linear(16, 64, rngs=nnx.Rngs(0)), jnp.ones((4, 16))
+    f = nnx_sharding.jit(lambda m, x: m(x), in_shardings=(None, P("data")))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError) as error:
+            f(m=model, x=x)
+        assert "\n  3. pass the arguments positionally: as in `jax.jit`," in str(error.value)
+        assert jnp.array_equal(f(model, x), model(x))  # fix 3

@@ -421,3 +421,123 @@ def test_cached_partial_over_jit_with_static_and_donated_call_arguments():
         outs.append(([call(x, 2.0), call(X + 0.0, 3.0), call(X + 0.0, scale=2.0)], state(model)))
         assert x.is_deleted()
     assert same(*outs)
+
+
+def record(node):
+    flat = nnx.to_flat_state(nnx.state(node))
+    return [(p, v.get_value(), v.get_value().sharding) for p, v in flat]
+
+
+def assert_unchanged(node, before):
+    after = record(node)
+    assert [p for p, *_ in after] == [p for p, *_ in before]
+    for (_, a, sa), (_, b, sb) in zip(after, before, strict=True):
+        assert a is b and sa == sb
+
+
+def test_a_committed_partial_argument_on_another_sharding_is_named_and_fix_1_works():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rules = nnx_sharding.StateSharding({nnx.PathContains("kernel"): P(None, "model"), ...: P()})
+    with jax.set_mesh(mesh):
+        model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))  # committed, replicated
+        before = record(model)
+        step = nnx_sharding.jit_partial(lambda m, x: m(x), model, in_shardings=(rules, None))
+        with pytest.raises(ValueError) as error:
+            step(jnp.ones((4, 16)))
+        assert str(error.value).startswith(
+            "jit_partial: in_shardings: the array at partial_args[0].kernel is committed to "
+        )
+        assert "Fixes:\n  1. move it first" in str(error.value)
+        assert_unchanged(model, before)
+        nnx_sharding.shard(model, rules)  # fix 1
+        assert step(jnp.ones((4, 16))).shape == (4, 64)
+        assert model.kernel.get_value().sharding.spec == P(None, "model")
+
+
+def test_a_partial_sharding_of_too_high_rank_is_named():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))
+    before = record(model)
+    step = nnx_sharding.jit_partial(
+        lambda m, x: m(x), model, in_shardings=(P(None, None, "model"), None)
+    )
+    with jax.set_mesh(mesh), pytest.raises(ValueError) as error:
+        step(jnp.ones((4, 16)))
+    message = str(error.value)
+    assert message.startswith("jit_partial: in_shardings: 2 problems:\n  - partial_args[0].bias:")
+    assert "the spec needs rank at least 3, but the value has rank 1" in message
+    assert_unchanged(model, before)
+
+
+def test_static_argnums_0_names_the_partial_arguments_and_both_fixes_work():
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    def scaled(m, n, x):
+        assert isinstance(n, int)  # static: a Python int, not a tracer
+        return m(x) * n
+
+    with pytest.raises(ValueError) as error:
+        nnx_sharding.jit_partial(scaled, model, static_argnums=0)
+    assert str(error.value).startswith(
+        "jit_partial: static_argnums: 0 is the partial arguments (all of them together), "
+        "which cannot be static\nRule: "
+    )
+    x = jnp.ones((1, 2))
+    expected = model(x) * 3
+    # fix 1: without 0 (here nothing else is static)
+    plain = nnx_sharding.jit_partial(lambda m, x: m(x) * 3, model)
+    assert jnp.array_equal(plain(x), expected)
+    # fix 2: the call's first argument counted from 1, or named
+    counted = nnx_sharding.jit_partial(scaled, model, static_argnums=1)
+    assert jnp.array_equal(counted(3, x), expected)
+    named = nnx_sharding.jit_partial(scaled, model, static_argnames="n")
+    assert jnp.array_equal(named(n=3, x=x), expected)
+
+
+def test_eval_and_train_after_binding_are_not_seen_and_one_function_per_mode_matches_flax():
+    def build():
+        rngs = nnx.Rngs(0, dropout=1)
+        model = nnx.Sequential(
+            nnx.Linear(4, 8, rngs=rngs), nnx.BatchNorm(8, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+        )
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def train_step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def eval_step(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    model, optimizer = build()  # flax's nnx.jit, switching modes: the reference
+    train, evaluate = nnx.jit(train_step), nnx.jit(eval_step)
+    expected = []
+    for _ in range(2):
+        model.train()
+        expected.append(train(model, optimizer, x))
+        model.eval()
+        expected.append(evaluate(model, x))
+
+    model, optimizer = build()  # bound once, modes switched after binding: not seen
+    train, evaluate = (
+        nnx_sharding.jit_partial(f, *a)
+        for f, a in [(train_step, (model, optimizer)), (eval_step, (model,))]
+    )
+    stale = []
+    for _ in range(2):
+        model.train()
+        stale.append(train(x))
+        model.eval()
+        stale.append(evaluate(x))
+    assert not jnp.array_equal(stale[1], expected[1])  # the eval step ran in train mode
+
+    model, optimizer = build()  # one function per mode: exactly flax's nnx.jit
+    model.eval()
+    evaluate = nnx_sharding.jit_partial(eval_step, model)
+    model.train()
+    train = nnx_sharding.jit_partial(train_step, model, optimizer)
+    got = [f() for _ in range(2) for f in (lambda: train(x), lambda: evaluate(x))]
+    for a, b in zip(got, expected, strict=True):
+        assert jnp.array_equal(a, b)

@@ -12,6 +12,7 @@ __all__ = [
     "partial_metadata_changed",
     "partial_runtime_variable",
     "partial_unsupported_variable",
+    "partial_static",
 ]
 
 
@@ -90,5 +91,22 @@ def partial_unsupported_variable(paths: Sequence[str]) -> str:
         [
             "use nnx_sharding.jit, which takes them;",
             "or create the Variables without ref=True / hijax=True.",
+        ],
+    )
+
+
+def partial_static(n_partial: int) -> str:
+    """``static_argnums`` names position 0: the partial arguments, which are traced."""
+    return format_message(
+        "jit_partial",
+        "static_argnums",
+        ["0 is the partial arguments (all of them together), which cannot be static"],
+        "Rule: static_argnums counts as flax counts: 0 is the partial arguments, whose "
+        "Variables are passed to the program as arrays on every call, and 1 the first "
+        f"argument of a call (the parameter after the {n_partial} partial one(s) of fun).",
+        [
+            "remove 0 from static_argnums (the partial arguments are bound already);",
+            "to make a call's argument static, count it from 1, e.g. `static_argnums=1` "
+            "for the first one, or name it with `static_argnames`.",
         ],
     )

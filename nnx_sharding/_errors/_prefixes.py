@@ -65,7 +65,9 @@ def prefix_mismatch(where: str, prefix: object, tree: object, tree_name: str) ->
 _PREFIX_FIXES = {
     "arguments": (
         "give one entry per positional argument, e.g. `(StateSharding(...), P('data'))`;",
-        "use None for an argument that needs no sharding.",
+        "use None for an argument that needs no sharding;",
+        "pass the arguments positionally: as in `jax.jit`, the entries stand for the "
+        "positional arguments only, and an argument passed by keyword is not one.",
     ),
     "output": (
         "give one entry per element of the output, e.g. `(StateSharding(...), P('data'))`;",
