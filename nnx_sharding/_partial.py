@@ -47,9 +47,12 @@ def _current(context: str) -> bool:
     return True if setting is None else bool(setting.current_value())
 
 
-def _inner_signature(fun: Callable[..., Any], n_partial: int) -> inspect.Signature | None:
+def _inner_signature(
+    fun: Callable[..., Any], n_partial: int, n_values: int
+) -> inspect.Signature | None:
     """``fun``'s signature with its first ``n_partial`` positional parameters replaced by
-    the one list the program takes: jax resolves argnames against it."""
+    the ``n_values`` values the program takes in their place: jax resolves argnames
+    against it."""
     try:
         params = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):
@@ -60,8 +63,25 @@ def _inner_signature(fun: Callable[..., Any], n_partial: int) -> inspect.Signatu
         k += 1
     if k < n_partial and not any(p.kind is p.VAR_POSITIONAL for p in params):
         return None  # too many partial arguments: the call will say so
-    first = inspect.Parameter("partial_args", inspect.Parameter.POSITIONAL_ONLY)
-    return inspect.Signature([first, *params[k:]])
+    values = [
+        inspect.Parameter(f"_partial_{i}", inspect.Parameter.POSITIONAL_ONLY)
+        for i in range(n_values)
+    ]
+    return inspect.Signature([*values, *params[k:]])
+
+
+def _flat_argnums(
+    argnums: int | Sequence[int] | None, n_values: int
+) -> tuple[int, ...] | None:
+    """flax's argnums (``0``: the partial arguments, ``1``: a call's first argument) as
+    the program counts them: the ``n_values`` partial values first, one argument each.
+    None stays None (jax then infers them from the argnames)."""
+    if argnums is None:
+        return None
+    flat: list[int] = []
+    for i in _as_tuple(argnums):
+        flat.extend(range(n_values) if i == 0 else [i if i < 0 else i - 1 + n_values])
+    return tuple(flat)
 
 
 class JitPartialWrapped(Generic[R]):
@@ -120,10 +140,13 @@ class JitPartialWrapped(Generic[R]):
         self._trace: Any = None  # the trace level where writing was last checked allowed
         # per trace (by id of its _Result, which it keeps alive): `_learn`'s answer
         self._traces: dict[int, tuple[_Result, Callable[[Sequence[Leaf]], None], bool]] = {}
+        if 0 in _as_tuple(static_argnums):
+            raise ValueError(_errors.partial_static(n))
+        n_values = len(self._variables) + len(self._constants)
         options: dict[str, Any] = dict(
-            static_argnums=static_argnums,
+            static_argnums=_flat_argnums(static_argnums, n_values),
             static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
+            donate_argnums=_flat_argnums(donate_argnums, n_values),
             donate_argnames=donate_argnames,
             keep_unused=keep_unused,
             device=device,
@@ -137,29 +160,34 @@ class JitPartialWrapped(Generic[R]):
         shardings = split.partial_shardings()
         if isinstance(in_shardings, (tuple, list)):
             if any(s is not None for s in shardings) or any(s is not None for s in runtime):
-                options["in_shardings"] = (shardings, *runtime)
+                options["in_shardings"] = (*shardings, *runtime)
         elif in_shardings is not None:
             options["in_shardings"] = in_shardings
         inner = _make_inner(
             fun, split, self.graph, donated, out_shardings, keep_structure, transform, argument
         )
-        signature = _inner_signature(fun, n)
+
+        @functools.wraps(inner)
+        def flat(*values_and_args: Any, **kwargs: Any) -> Any:  # one argument a value: the
+            # fastest way into jax's dispatch (no list to flatten)
+            return inner(list(values_and_args[:n_values]), *values_and_args[n_values:], **kwargs)
+
+        signature = _inner_signature(fun, n, n_values)
         if signature is not None:
-            inner.__signature__ = signature  # type: ignore[attr-defined]
-        if 0 in _as_tuple(static_argnums):
-            raise ValueError(_errors.partial_static(n))
-        self._jitted = jax.jit(inner, **options)
+            flat.__signature__ = signature  # type: ignore[attr-defined]
+        self._jitted = jax.jit(flat, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
-        partial = [*map(self._read, self._variables), *self._constants]
         try:
-            result, written, payload = self._jitted(partial, *args, **kwargs)
+            result, written, payload = self._jitted(
+                *map(self._read, self._variables), *self._constants, *args, **kwargs
+            )
         except ValueError as e:
-            self._explain(e, partial)
+            self._explain(e)
             raise
         known = self._traces.get(id(result))  # one _Result a trace: known after its first call
         if known is None:
-            known = self._traces[id(result)] = self._learn(result, partial, args, kwargs)
+            known = self._traces[id(result)] = self._learn(result, args, kwargs)
         _, write, waits = known
         if waits:  # errors of Python callbacks are raised before anything is written
             jax.block_until_ready((written, payload))
@@ -171,10 +199,14 @@ class JitPartialWrapped(Generic[R]):
             return jax.tree_util.tree_unflatten(result.out_treedef, payload)
         return _rebuild(result, payload, self._split.leaves)
 
-    def _explain(self, error: ValueError, partial: list[Leaf]) -> None:
+    def _values(self) -> list[Leaf]:
+        """The partial values of a call: the Variables' current values, then the constants."""
+        return [*map(self._read, self._variables), *self._constants]
+
+    def _explain(self, error: ValueError) -> None:
         """Re-raises jax's complaint about a partial argument's array (a sharding that
         does not fit it, or one it is committed to otherwise) naming its path."""
-        split = self._split
+        partial, split = self._values(), self._split
         by_index = sorted(range(len(split.items)), key=split.order.__getitem__)
         sites = [split.sites[i] for i in by_index]
         shardings = split.partial_shardings()
@@ -197,11 +229,11 @@ class JitPartialWrapped(Generic[R]):
         check_writable(self._transform, self._variables, sites)
 
     def _learn(
-        self, result: _Result, partial: list[Leaf], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, result: _Result, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[_Result, Callable[[Sequence[Leaf]], None], bool]:
         """What a trace's calls need: the writer of its written Variables, and whether
         its program calls back into Python (then a call waits for it)."""
-        jaxpr = self._jitted.trace(partial, *args, **kwargs).jaxpr
+        jaxpr = self._jitted.trace(*self._values(), *args, **kwargs).jaxpr
         write = _slots.writer([self._variables[i] for i in result.written])
         return result, write, host_callbacks(jaxpr.jaxpr)
 
@@ -212,8 +244,7 @@ class JitPartialWrapped(Generic[R]):
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The abstract output of a call; writes nothing back."""
-        partial = [*map(self._read, self._variables), *self._constants]
-        result, _, payload = self._jitted.eval_shape(partial, *args, **kwargs)
+        result, _, payload = self._jitted.eval_shape(*self._values(), *args, **kwargs)
         return _rebuild(result, payload, self._split.leaves)
 
 
