@@ -8,8 +8,8 @@ results back (`_graph.merge_call`), then caches the split for the next call.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, Generic, ParamSpec, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import jax
 from flax import nnx
@@ -30,6 +30,15 @@ from ._stages import Lowered, PlanBinding, Traced
 
 P = ParamSpec("P")
 R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class PartialRun(Protocol[R_co]):
+    """A call with its first ``n_partial`` arguments bound: given the rest, it runs."""
+
+    n_partial: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R_co: ...
 
 
 class CachedCall(Generic[P, R]):
@@ -61,9 +70,20 @@ class CachedCall(Generic[P, R]):
             state = self._plans[plan] = PlanState(self._build(plan))
         return state
 
+    def _cached_partial(
+        self, cache: Mapping[Any, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> PartialRun[R] | None:
+        """For a call made by ``nnx.cached_partial`` (``cache``: its split of the clones
+        that lead ``args``): the call with the clones bound and flattened once, or None
+        to take the path below."""
+        return None
+
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         call_args = (*self._bound, *args)
-        with nnx.update_context(TAG):  # it also takes the split nnx.cached_partial made
+        with nnx.update_context(TAG) as context:  # takes the split nnx.cached_partial made
+            cache = getattr(context, "static_cache", None)  # a field of nnx.UpdateContext
+            if cache is not None and (run := self._cached_partial(cache, args, kwargs)):
+                return run(*args[run.n_partial :], **kwargs)
             done, result, key, roots = fast_call(self._entries, self._spec, call_args, kwargs)
             if done:
                 return result

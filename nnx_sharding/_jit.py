@@ -15,7 +15,8 @@ from ._argnums import _shift as _shift
 from ._argnums import check_argnums as check_argnums
 from ._argnums import check_overlap as check_overlap
 from ._argnums import resolve_argnums as resolve_argnums
-from ._call import CachedCall
+from ._cached_partial import CachedPartials, partial_of_jit
+from ._call import CachedCall, PartialRun
 from ._graph import (
     CallPlan,
     CallSpec,
@@ -92,12 +93,25 @@ class JitWrapped(CachedCall[P, R]):
         super().__init__(fun, spec)
         if owner is not None:
             self._bound = (owner,)
+        self._partials = CachedPartials()  # for nnx.cached_partial's calls
         self._jit_options = dict(
             keep_unused=keep_unused,
             device=device,
             backend=backend,
             inline=inline,
             compiler_options=compiler_options,
+        )
+
+    def _cached_partial(
+        self, cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> PartialRun[R] | None:
+        if self._bound:
+            return None
+        return self._partials.find(
+            lambda clones: partial_of_jit(self.fun, clones, self._spec, self._jit_options),
+            cache,
+            args,
+            kwargs,
         )
 
     def _build(self, plan: CallPlan) -> Callable[..., Any]:

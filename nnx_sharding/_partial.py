@@ -70,9 +70,7 @@ def _inner_signature(
     return inspect.Signature([*values, *params[k:]])
 
 
-def _flat_argnums(
-    argnums: int | Sequence[int] | None, n_values: int
-) -> tuple[int, ...] | None:
+def _flat_argnums(argnums: int | Sequence[int] | None, n_values: int) -> tuple[int, ...] | None:
     """flax's argnums (``0``: the partial arguments, ``1``: a call's first argument) as
     the program counts them: the ``n_values`` partial values first, one argument each.
     None stays None (jax then infers them from the argnames)."""

@@ -82,18 +82,86 @@ def test_cached_partial_trains_like_a_plain_call(jit):
     assert results[1][0][0] > results[1][0][2]  # it trained
 
 
-def test_cached_partial_takes_the_fast_path(monkeypatch):
-    from nnx_sharding import _call
+def test_cached_partial_flattens_its_clones_once(monkeypatch):
+    """Under ``nnx.cached_partial`` the cached clones are flattened once, as jit_partial
+    flattens (`_cached_partial`): no call walks the graphs (`split_call`)."""
+    from nnx_sharding import _cached_partial, _call
 
-    splits = []
+    splits, partials = [], []
     original = _call.split_call
     monkeypatch.setattr(_call, "split_call", lambda *a: splits.append(1) or original(*a))
+    made = _cached_partial.JitPartialWrapped
+    monkeypatch.setattr(
+        _cached_partial, "JitPartialWrapped", lambda *a, **k: partials.append(1) or made(*a, **k)
+    )
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     call = nnx.cached_partial(nnx_sharding.jit(_step), model, optimizer)
     for _ in range(4):
         call(X)
-    assert len(splits) == 1
+    assert len(splits) == 0 and len(partials) == 1
+    # a graph node among the other arguments: jit's path (split once, then the fast path)
+    step = nnx_sharding.jit(lambda model, optimizer, x: _step(model, optimizer, x))
+    call = nnx.cached_partial(step, model)
+    for _ in range(4):
+        call(optimizer, X)
+    assert len(splits) == 1 and len(partials) == 1
+
+
+@pytest.mark.parametrize("case", ["sharded", "one clone of two donated"])
+def test_cached_partial_takes_the_full_path_where_jit_partial_cannot(monkeypatch, case):
+    """Shardings, and clones donated apart, keep jit's path, and give flax's results."""
+    from nnx_sharding import _cached_partial
+
+    partials = []
+    made = _cached_partial.JitPartialWrapped
+    monkeypatch.setattr(
+        _cached_partial, "JitPartialWrapped", lambda *a, **k: partials.append(1) or made(*a, **k)
+    )
+
+    def f(model, x):
+        model.kernel[...] += 1.0
+        return model(x)
+
+    outs = []
+    for jit in (nnx.jit, nnx_sharding.jit):
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        if case == "sharded":
+            call = nnx.cached_partial(jit(f, in_shardings=(None, None)), model)
+            outs.append(([call(X), call(X)], _state(model)))
+        else:
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+            call = nnx.cached_partial(jit(_step, donate_argnums=1), model, optimizer)
+            outs.append(([call(X), call(X)], _state(model), _state(optimizer)))
+    assert _same(*outs)
+    assert partials == []
+
+
+@pytest.mark.parametrize("donate", [(), (0,)], ids=["kept", "donated"])
+def test_cached_partial_of_a_plain_array_attribute_fails_before_anything_runs(donate):
+    """flax's cached_partial fails on an array outside a Variable (AttributeError); ours
+    names it, before the program runs, leaving the model as it was."""
+
+    def f(m, x):
+        m.kernel[...] += 1.0
+        return m(x) + m.offset
+
+    with pytest.raises(AttributeError, match="has no attribute 'get_raw_value'"):
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        model.offset = jnp.ones(2)
+        nnx.cached_partial(nnx.jit(f, donate_argnums=donate), model)(X)
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    model.offset = jnp.ones(2)
+    before = _state(model)
+    call = nnx.cached_partial(nnx_sharding.jit(f, donate_argnums=donate), model)
+    for _ in range(2):  # and again: nothing was cached
+        with pytest.raises(TypeError) as info:
+            call(X)
+        assert str(info.value).startswith(
+            "jit: args: an array outside a Variable at args[0].offset"
+        ), str(info.value)
+    assert _same(before, _state(model))
+    assert not model.kernel.get_raw_value().is_deleted()
 
 
 def test_a_bound_method_passes_its_module_as_an_argument():

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from ._layout import format_message
 
 __all__ = [
+    "cached_partial_arrays",
     "partial_aliases",
     "partial_output_aliases",
     "partial_metadata_changed",
@@ -108,5 +109,22 @@ def partial_static(n_partial: int) -> str:
             "remove 0 from static_argnums (the partial arguments are bound already);",
             "to make a call's argument static, count it from 1, e.g. `static_argnums=1` "
             "for the first one, or name it with `static_argnames`.",
+        ],
+    )
+
+
+def cached_partial_arrays(paths: Sequence[str]) -> str:
+    """``nnx.cached_partial`` over `jit` of a module holding arrays outside Variables."""
+    return format_message(
+        "jit",
+        "args",
+        [f"an array outside a Variable at {p}" for p in paths],
+        "Rule: nnx.cached_partial caches its modules' Variables and writes their new "
+        "values back into them; an array held as a plain attribute has no Variable to "
+        "write into (flax's cached_partial fails on it too, with an AttributeError).",
+        [
+            "hold the array in a Variable: `model.offset = nnx.Variable(model.offset)`;",
+            "or call the jitted function without cached_partial, `step(model, x)`: it "
+            "takes plain array attributes.",
         ],
     )
