@@ -53,6 +53,9 @@ class DecoderConfig:
     batch: int
     seq_len: int
     dtype: str = "float32"
+    scan: bool = False
+    """Stack the layers' weights and run them with ``jax.lax.scan``: compilers then build
+    one layer, not ``layers`` of them (what ``python -m nnx_sharding plan`` compiles)."""
 
     def param_count(self) -> int:
         """Parameters, counted from the sizes (embedding, blocks, final norm, head)."""
@@ -84,8 +87,15 @@ LOGICAL_AXES = {
 vocabulary over ``model``."""
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any):
-    init = nnx.initializers.ones if len(shape) == 1 else nnx.initializers.normal(0.02)
+def _param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...],
+    dtype: Any,
+    *,
+    norm: bool = False,
+):
+    init = nnx.initializers.ones if norm else nnx.initializers.normal(0.02)
     # logical axis names, mapped to mesh axes by `shard` (`abstract_model`)
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
 
@@ -94,29 +104,57 @@ def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
 
 
-class Block(nnx.Module):
-    """Pre-norm causal self-attention and a GELU MLP, each around a residual."""
+def _block_shapes(c: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """A block's weights: their shapes and logical axis names."""
+    d, h, k, f = c.d_model, c.heads, c.head_dim, c.mlp
+    qkv = ((d, h, k), ("embed", "heads", None))
+    return {
+        "attn_norm": ((d,), (None,)),
+        "wq": qkv,
+        "wk": qkv,
+        "wv": qkv,
+        "wo": ((h, k, d), ("heads", None, "embed")),
+        "mlp_norm": ((d,), (None,)),
+        "up": ((d, f), ("embed", "mlp")),
+        "down": ((f, d), ("mlp", "embed")),
+    }
 
-    def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs):
-        d, h, k, f, t = c.d_model, c.heads, c.head_dim, c.mlp, c.dtype
-        self.attn_norm = _param(rngs, (d,), (None,), t)
-        self.wq = _param(rngs, (d, h, k), ("embed", "heads", None), t)
-        self.wk = _param(rngs, (d, h, k), ("embed", "heads", None), t)
-        self.wv = _param(rngs, (d, h, k), ("embed", "heads", None), t)
-        self.wo = _param(rngs, (h, k, d), ("heads", None, "embed"), t)
-        self.mlp_norm = _param(rngs, (d,), (None,), t)
-        self.up = _param(rngs, (d, f), ("embed", "mlp"), t)
-        self.down = _param(rngs, (f, d), ("mlp", "embed"), t)
+
+def _block(x: jax.Array, w: Mapping[str, jax.Array]) -> jax.Array:
+    h = _rms_norm(x, w["attn_norm"])
+    q, k, v = (jnp.einsum("bsd,dhk->bshk", h, w[name]) for name in ("wq", "wk", "wv"))
+    scores = jnp.einsum("bshk,bthk->bhst", q, k) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones(scores.shape[-2:], dtype=bool))
+    attn = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
+    x = x + jnp.einsum("bhst,bthk,hkd->bsd", attn, v, w["wo"])
+    h = _rms_norm(x, w["mlp_norm"])
+    return x + jax.nn.gelu(h @ w["up"]) @ w["down"]
+
+
+def _batch_parallel(x: jax.Array) -> jax.Array:
+    """``x`` with its batch split over the data-parallel axes of the mesh set (``data``,
+    ``fsdp``; unchanged without them): a loop's carried activations would otherwise take
+    whatever sharding the compiler's propagation picks from the weights."""
+    axes = tuple(a for a in ("data", "fsdp") if a in jax.sharding.get_abstract_mesh().axis_names)
+    return jax.lax.with_sharding_constraint(x, P(axes)) if axes else x
+
+
+class Block(nnx.Module):
+    """Pre-norm causal self-attention and a GELU MLP, each around a residual. With
+    ``stack=L``, the weights of L such blocks, stacked on a leading (unsharded) axis."""
+
+    def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        for name, (shape, names) in _block_shapes(c).items():
+            if stack is not None:
+                shape, names = (stack, *shape), (None, *names)
+            setattr(self, name, _param(rngs, shape, names, c.dtype, norm=name.endswith("norm")))
+
+    def weights(self) -> dict[str, jax.Array]:
+        """The weights' values by name."""
+        return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = _rms_norm(x, self.attn_norm[...])
-        q, k, v = (jnp.einsum("bsd,dhk->bshk", h, w[...]) for w in (self.wq, self.wk, self.wv))
-        scores = jnp.einsum("bshk,bthk->bhst", q, k) / math.sqrt(q.shape[-1])
-        causal = jnp.tril(jnp.ones(scores.shape[-2:], dtype=bool))
-        attn = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
-        x = x + jnp.einsum("bhst,bthk,hkd->bsd", attn, v, self.wo[...])
-        h = _rms_norm(x, self.mlp_norm[...])
-        return x + jax.nn.gelu(h @ self.up[...]) @ self.down[...]
+        return _block(x, self.weights())
 
 
 class Decoder(nnx.Module):
@@ -131,14 +169,22 @@ class Decoder(nnx.Module):
 
     def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs):
         self.embed = _param(rngs, (c.vocab, c.d_model), ("vocab", "embed"), c.dtype)
-        self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
-        self.final_norm = _param(rngs, (c.d_model,), (None,), c.dtype)
+        self.scan = c.scan
+        if c.scan:
+            self.layers = Block(c, rngs=rngs, stack=c.layers)
+        else:
+            self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
+        self.final_norm = _param(rngs, (c.d_model,), (None,), c.dtype, norm=True)
         self.head = _param(rngs, (c.d_model, c.vocab), ("embed", "vocab"), c.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed[...][tokens]
-        for block in self.layers:
-            x = block(x)
+        if self.scan:
+            body = lambda x, w: (_batch_parallel(_block(x, w)), None)  # noqa: E731
+            x, _ = jax.lax.scan(body, _batch_parallel(x), self.layers.weights())
+        else:
+            for block in self.layers:
+                x = block(x)
         return _rms_norm(x, self.final_norm[...]) @ self.head[...]
 
 

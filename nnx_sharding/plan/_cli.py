@@ -3,6 +3,8 @@
 ``python -m nnx_sharding plan --config 1b --devices 64 --accelerator h100`` builds the
 decoder and an adam optimizer with ``nnx.eval_shape`` (never allocated), compiles one
 training step under every candidate layout for 64 devices and prints the ranked table.
+The decoder's layers are scanned (``DecoderConfig.scan``), as large models are written:
+the compiler builds one layer, and the planner counts it once per layer.
 Where no compile-only devices of the accelerator are installed, the command gives
 itself the simulated CPU devices it needs (re-running itself in a fresh process).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -58,7 +61,12 @@ def parser() -> argparse.ArgumentParser:
         type=_size,
         help="bytes per device, e.g. 80GiB (default: the accelerator's memory)",
     )
-    p.add_argument("--batch", type=positive, help="sequences per step (default: the config's)")
+    p.add_argument(
+        "--batch",
+        type=positive,
+        help="sequences per step (default: the config's, raised to a multiple of the device "
+        "count, so that every layout can split it)",
+    )
     p.add_argument("--seq", type=positive, help="tokens per sequence (default: the config's)")
     p.add_argument(
         "--layouts", help=f"comma-separated subset of {','.join(LAYOUTS)} (default: all)"
@@ -122,8 +130,9 @@ def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any)
     from ._planner import plan
 
     config = CONFIGS[args.config]
-    config = dataclasses.replace(
-        config, batch=args.batch or config.batch, seq_len=args.seq or config.seq_len
+    batch = args.batch or math.lcm(config.batch, devices)
+    config = dataclasses.replace(  # layers scanned: each candidate compiles one layer
+        config, batch=batch, seq_len=args.seq or config.seq_len, scan=True
     )
 
     def build() -> tuple[Decoder, nnx.Optimizer]:

@@ -151,7 +151,8 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
     start = time.perf_counter()
     try:
-        lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
+        with jax.set_mesh(mesh):  # the step may constrain its activations to the mesh's axes
+            lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - any compiler error is this candidate's reason
         message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -182,6 +183,9 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
             f"the {step.compiler} compiler gives no cost_analysis: FLOPs are the optimized "
             "program's matmuls; bytes accessed, its arguments, outputs and twice its temporaries"
         )
+    else:
+        flops, accessed, note = _per_iteration(text, flops, accessed)
+        notes += [note] if note else []
     notes += check_memory(memory, flops)
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
         memory = dataclasses.replace(memory, arguments=state)
@@ -206,6 +210,21 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         compile_seconds=seconds,
         detail=tuple(found),
     )
+
+
+def _per_iteration(text: str, flops: float, accessed: float) -> tuple[float, float, str | None]:
+    """``cost_analysis``'s FLOPs and bytes accessed with a loop's body counted once per
+    iteration: ``cost_analysis`` counts it once. The matmuls of the further iterations
+    are added (counted from ``text``), and the bytes accessed scaled by as much."""
+    once, every = _hlo.dot_flops(text, per_iteration=False), _hlo.dot_flops(text)
+    if every <= once or flops <= 0:
+        return flops, accessed, None
+    scale = (flops + every - once) / flops
+    note = (
+        "cost_analysis counts a loop's body once: the matmul FLOPs of its other iterations "
+        f"are added, and bytes accessed scaled by as much (x{scale:.2f})"
+    )
+    return flops * scale, accessed * scale, note
 
 
 def check_memory(memory: Memory, flops: float) -> list[str]:

@@ -6,6 +6,10 @@ What a compiler writes in another form is counted as what it runs: the CPU compi
 reduce-scatter (an all-reduce whose every user takes a slice at an offset computed from
 ``partition-id``) and the TPU compiler's (an ``all-reduce-scatter`` fusion around an
 all-reduce) both count as ``reduce-scatter``.
+
+A loop's body runs once per iteration: a collective or a matmul inside a ``while``
+(``jax.lax.scan``, ``nnx.scan``, ``fori_loop``) counts its loop's trip count times
+(`trip_count`), nested loops the product of theirs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OPCODES = {k: k for k in KINDS} | {f"{k}-start": k for k in KINDS}
+_CALLED = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +88,72 @@ def _instructions(text: str) -> Iterator[_Instr]:
         m = _INSTRUCTION.match(line)
         if m:
             yield _Instr(m.group(1), m.group(2), m.group(3), m.group(4), computation)
+
+
+def runs(instrs: list[_Instr]) -> dict[str, int]:
+    """How many times each computation runs in one execution of the module: the entry
+    once; a loop's body and condition its trip count (`trip_count`) times the
+    computation that holds the loop; anything else called (fusions, reducers, branches)
+    as often as its callers, summed over them."""
+    calls: dict[str, list[tuple[str, int]]] = {}  # caller -> (callee, times per call)
+    order: list[str] = []
+    named = {(ins.computation, ins.name): ins for ins in instrs}
+    for ins in instrs:
+        if ins.computation not in calls:
+            calls[ins.computation] = []
+            order.append(ins.computation)
+        loop = trip_count(ins, instrs, named) if ins.opcode == "while" else 1
+        for role, callee in _CALLED.findall(ins.rest):
+            calls[ins.computation].append((callee, loop if role in ("body", "condition") else 1))
+        for branches in _BRANCHES.findall(ins.rest):
+            calls[ins.computation] += [(b, 1) for b in re.findall(r"%?([\w.\-]+)", branches)]
+    # HLO text defines a computation before any that calls it, so the entry comes last
+    # and, read backwards, every caller's count is complete before its callees'.
+    times = dict.fromkeys(order, 0)
+    if order:
+        times[order[-1]] = 1
+    for caller in reversed(order):
+        for callee, n in calls[caller]:
+            if callee in times:
+                times[callee] += times[caller] * n
+    return times
+
+
+def trip_count(loop: _Instr, instrs: list[_Instr], named: dict[tuple[str, str], _Instr]) -> int:
+    """A ``while``'s iterations: the count the compiler wrote into its backend config
+    (the CPU and GPU compilers), else read from its condition, ``i < N`` on a counter of
+    the loop state that starts at a constant (the TPU compiler); 1 if neither is there."""
+    if found := _TRIP_COUNT.search(loop.rest):
+        return int(found.group(1))
+    condition = re.search(r"condition=%?([\w.\-]+)", loop.rest)
+    compares = [
+        ins
+        for ins in instrs
+        if condition and ins.computation == condition.group(1) and ins.opcode == "compare"
+    ]
+    if len(compares) != 1 or "direction=LT" not in compares[0].rest:
+        return 1
+    where = compares[0].computation
+    counter, bound = (named.get((where, name)) for name in _operands(compares[0].rest)[:2])
+    index = re.search(r"index=(\d+)", counter.rest) if counter else None
+    if not (
+        index and counter.opcode == "get-tuple-element" and bound and bound.opcode == "constant"
+    ):
+        return 1
+    state = [named.get((loop.computation, name)) for name in _operands(loop.rest)[:1]]
+    start = 0
+    if state and state[0] is not None and state[0].opcode == "tuple":
+        fields = _operands(state[0].rest)
+        first = int(index.group(1))
+        init = named.get((loop.computation, fields[first])) if first < len(fields) else None
+        start = _constant(init) if init is not None and init.opcode == "constant" else 0
+    return max(_constant(bound) - start, 0)
+
+
+def _constant(ins: _Instr) -> int:
+    """The value of an integer scalar ``constant(N)``."""
+    m = re.match(r"\s*(-?\d+)\)", ins.rest)
+    return int(m.group(1)) if m else 0
 
 
 def _operands(rest: str) -> list[str]:
@@ -147,9 +222,11 @@ def collectives(text: str, devices: int) -> list[Collective]:
 
     Tuple-shaped collectives count each array of the tuple; an async pair counts once
     (its ``-start``); an all-reduce the program only slices, per device, counts as
-    a reduce-scatter (see the module's docstring).
+    a reduce-scatter (see the module's docstring); one inside a loop is listed once per
+    iteration.
     """
     instrs = list(_instructions(text))
+    times = runs(instrs)
     users: dict[tuple[str, str], list[_Instr]] = {}
     by_name: dict[tuple[str, str], _Instr] = {}
     for ins in instrs:
@@ -172,17 +249,19 @@ def collectives(text: str, devices: int) -> list[Collective]:
         groups = replica_groups(ins.rest, devices)
         sizes = _sizes(ins, kind, by_name)
         if kind == "all-reduce" and ins.computation in scatter_calls:
-            found += [Collective("reduce-scatter", b, groups, ins.name) for b in sizes]
-            continue
-        if kind == "all-reduce":
+            kinds = ["reduce-scatter"] * len(sizes)
+        elif kind == "all-reduce":
             elements = _elements(ins, users, len(sizes))
-            for size, element_users in zip(sizes, elements, strict=True):
-                sliced = bool(element_users) and all(_slices(u, size, pid) for u in element_users)
-                found.append(
-                    Collective("reduce-scatter" if sliced else "all-reduce", size, groups, ins.name)
-                )
-            continue
-        found += [Collective(kind, b, groups, ins.name) for b in sizes]
+            kinds = [
+                "reduce-scatter"
+                if element_users and all(_slices(u, size, pid) for u in element_users)
+                else "all-reduce"
+                for size, element_users in zip(sizes, elements, strict=True)
+            ]
+        else:
+            kinds = [kind] * len(sizes)
+        once = [Collective(k, b, groups, ins.name) for k, b in zip(kinds, sizes, strict=True)]
+        found += once * times.get(ins.computation, 1)
     return found
 
 
@@ -242,34 +321,52 @@ def _slices(user: _Instr, size: int, pid: set[tuple[str, str]]) -> bool:
     return any((user.computation, op) in pid for op in _operands(user.rest))
 
 
-def dot_flops(text: str) -> float:
+def dot_flops(text: str, *, per_iteration: bool = True) -> float:
     """FLOPs of the matmuls of an optimized HLO module: ``2 · result elements ·
-    contracted size`` for each ``dot`` (fused ones included) and each cuBLAS GEMM
-    custom call. What a compiler without ``cost_analysis`` (the GPU's) is counted by."""
+    contracted size`` for each ``dot`` (fused ones included), each cuBLAS GEMM custom
+    call and each ``convolution`` (the TPU compiler writes matmuls so: counted as a
+    matmul over its input features, whatever its window), a loop's once
+    per iteration (``per_iteration=False``: once, as ``cost_analysis`` counts them).
+    What a compiler without ``cost_analysis`` (the GPU's) is counted by."""
     instrs = list(_instructions(text))
+    times = runs(instrs) if per_iteration else {}
     shapes = {(i.computation, i.name): i.shape for i in instrs}
     total = 0.0
     for ins in instrs:
-        if ins.opcode == "dot":
-            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
-        elif ins.opcode == "custom-call" and re.search(r"gemm|matmul", ins.rest):
-            m = re.search(r'"lhs_contracting_dimensions":\[([\d",]*)\]', ins.rest)
-        else:
-            continue
         operands = _operands(ins.rest)
         inline = _ARRAY.findall(ins.rest.split("%", 1)[0])
-        if operands and (ins.computation, operands[0]) in shapes:
-            lhs = _ARRAY.findall(shapes[(ins.computation, operands[0])])
-        else:
-            lhs = inline
+        first = _ARRAY.findall(shapes.get((ins.computation, operands[0]), "")) if operands else []
+        lhs = first or inline
+        dims = [int(d) for d in lhs[0][1].split(",") if d] if lhs else []
         result = _ARRAY.findall(ins.shape)
-        if not (m and lhs and result):
+        if not (dims and result):
             continue
-        dims = [int(d) for d in lhs[0][1].split(",") if d]
-        contracted = [int(c.strip('"')) for c in m.group(1).split(",") if c.strip('"')]
+        contracted = _contracted(ins, dims)
         out = [int(d) for d in result[0][1].split(",") if d]
-        total += 2.0 * math.prod(out) * math.prod(dims[c] for c in contracted if c < len(dims))
+        total += 2.0 * math.prod(out) * contracted * times.get(ins.computation, 1)
     return total
+
+
+def _contracted(ins: _Instr, lhs: list[int]) -> int:
+    """The size a matmul instruction sums over per result element (0: not a matmul)."""
+    if ins.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+    elif ins.opcode == "custom-call" and re.search(r"gemm|matmul", ins.rest):
+        m = re.search(r'"lhs_contracting_dimensions":\[([\d",]*)\]', ins.rest)
+    elif ins.opcode == "convolution":  # dim_labels=bf_io->bf: f, the input features
+        # The TPU compiler writes a batched matmul as a convolution whose batch is a
+        # spatial dimension, one window position per output: the features are summed.
+        labels = re.search(r"dim_labels=(\w+)_\w+->", ins.rest)
+        if not labels or "f" not in labels.group(1) or len(labels.group(1)) != len(lhs):
+            return 0
+        groups = re.search(r"feature_group_count=(\d+)", ins.rest)
+        return lhs[labels.group(1).index("f")] // (int(groups.group(1)) if groups else 1)
+    else:
+        return 0
+    if not m:
+        return 0
+    axes = [int(c.strip('"')) for c in m.group(1).split(",") if c.strip('"')]
+    return math.prod(lhs[c] for c in axes if c < len(lhs))
 
 
 def summary(found: list[Collective]) -> dict[str, int]:

@@ -63,3 +63,13 @@ def test_a_device_count_the_process_lacks_reruns_the_command(capfd):
     assert main(argv) == 0
     out = capfd.readouterr().out
     assert "for 2 devices of cpu" in out and "data=2" in out and "best: Plan(" in out
+
+
+def test_the_default_batch_splits_over_every_device(capfd):
+    """The tiny config's batch of 8 is raised to 16 for 16 devices: every data-parallel
+    layout compiles (none is left with a batch that does not divide), layers scanned."""
+    argv = ["--config", "tiny", "--devices", "16", "--accelerator", "cpu", "--layouts", "dp,fsdp"]
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    assert "batch 16 × 64 tokens) for 16 devices" in out
+    assert "shapes do not divide" not in out and "best: Plan(" in out

@@ -143,8 +143,9 @@ def test_zero1_scatters_gradients_and_gathers_updated_parameters(plans):
 def test_tensor_parallel_all_reduces_activations_per_block_and_pass(plans):
     """Megatron: every all-reduce is one activation, ``tokens · d_model`` floats: one per
     attention and one per MLP block in the forward pass; in the backward pass one per
-    MLP block and one per projection of the attention's input (q, k and v: XLA reduces
-    each partial input gradient on its own rather than their sum)."""
+    MLP block and one per projection of the attention's input (q, k and v: the CPU
+    compiler reduces each partial input gradient on its own rather than their sum; the
+    GPU compiler reduces the sum, Megatron's 4 per layer: tests/plan/test_loops.py)."""
     tp = pick(plans, "tp")
     activation = CONFIG.batch * CONFIG.seq_len * CONFIG.d_model * F32
     reduces = [c for c in tp.detail if c.kind == "all-reduce" and c.bytes > 4]

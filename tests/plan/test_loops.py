@@ -1,0 +1,142 @@
+"""A loop's body runs once per iteration, and the planner counts it so: the collectives
+and matmuls inside ``jax.lax.scan`` count their trip count times, and a decoder whose
+layers are scanned plans as the same decoder unrolled (what the targets' compilers give
+for each, compared)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nnx_sharding
+from nnx_sharding._aot import Decoder, DecoderConfig, loss_fn
+from nnx_sharding.plan import _hlo
+from nnx_sharding.plan._devices import has_gpu_compiler, has_tpu_compiler
+
+F32 = 4
+
+
+def test_nested_loops_count_their_body_per_iteration():
+    """A psum and a matmul inside a scan of 4 inside a scan of 3: 12 of each."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def body(a, w):
+        def inner(a, _):
+            return jax.lax.psum(a @ w, "x"), None
+
+        return jax.lax.scan(inner, a, None, length=4)[0], None
+
+    def f(a, w):
+        return jax.lax.scan(body, a, jnp.stack([w] * 3))[0]
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    a = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+    text = jax.jit(g).lower(a, a.update(shape=(64, 64))).compile().as_text()
+    found = _hlo.collectives(text, 4)
+    assert [c.kind for c in found] == ["all-reduce"] * 12
+    assert {c.bytes for c in found} == {32 * 64 * F32}
+    assert _hlo.dot_flops(text) == 12 * 2 * 32 * 64 * 64
+    assert _hlo.dot_flops(text, per_iteration=False) == 2 * 32 * 64 * 64
+
+
+CONFIG = DecoderConfig("loops", vocab=64, d_model=32, heads=8, head_dim=4, mlp=64, layers=3,
+                       batch=8, seq_len=16)  # fmt: skip
+RULES = [("heads", "model"), ("mlp", "model"), ("vocab", None), ("embed", None)]
+
+
+def _plans(scan: bool, accelerator: str) -> dict[str, nnx_sharding.plan.Plan]:
+    config = dataclasses.replace(CONFIG, scan=scan)
+
+    def build() -> tuple[Decoder, nnx.Optimizer]:
+        model = Decoder(config, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+    def step(model: Decoder, optimizer: nnx.Optimizer, tokens: jax.Array) -> jax.Array:
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+        optimizer.update(model, grads)
+        return loss
+
+    with nnx.use_eager_sharding(False):
+        model, optimizer = nnx.eval_shape(build)
+    tokens = jax.ShapeDtypeStruct((config.batch, config.seq_len + 1), jnp.int32)
+    plans = nnx_sharding.plan(
+        step, model, optimizer, tokens, devices=8, accelerator=accelerator,
+        layouts=["dp", "zero1", "fsdp", "tp"], rules=RULES, donate_argnums=(0, 1),
+    )  # fmt: skip
+    assert all(p.reason is None for p in plans), [p.reason for p in plans]
+    return {p.layout: p for p in plans}
+
+
+def test_a_scanned_decoder_computes_as_the_unrolled_one():
+    """The same weights, the layers stacked and scanned: the same loss and gradients."""
+    with nnx.use_eager_sharding(False):  # logical axis names: nothing to place
+        unrolled = Decoder(CONFIG, rngs=nnx.Rngs(0))
+        scanned = Decoder(dataclasses.replace(CONFIG, scan=True), rngs=nnx.Rngs(1))
+    blocks = [block.weights() for block in unrolled.layers]
+    for name in scanned.layers.weights():
+        getattr(scanned.layers, name).set_value(jnp.stack([b[name] for b in blocks]))
+    for name in ("embed", "final_norm", "head"):
+        getattr(scanned, name).set_value(getattr(unrolled, name)[...])
+    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.vocab)
+    (a, ga), (b, gb) = (nnx.value_and_grad(loss_fn)(m, tokens) for m in (unrolled, scanned))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    for name in ("up", "wq"):
+        stacked = jnp.stack([getattr(ga.layers[i], name)[...] for i in range(CONFIG.layers)])
+        np.testing.assert_allclose(stacked, getattr(gb.layers, name)[...], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not has_gpu_compiler(), reason="needs nnx_sharding[gpu]")
+def test_a_scanned_decoder_plans_as_the_unrolled_one_on_the_gpu_compiler():
+    """The GPU compiler's figures: the same FLOPs, state and collectives, except that
+    FSDP gathers each layer's weights again for the backward pass (the unrolled program
+    keeps the forward pass's gathered weights instead)."""
+    unrolled, scanned = _plans(False, "h100"), _plans(True, "h100")
+    layer_bytes = CONFIG.layers * (4 * 32 * 8 * 4 + 2 * 32 * 64 + 2 * 32) * F32
+    for layout in ("dp", "zero1", "fsdp", "tp"):
+        a, b = unrolled[layout], scanned[layout]
+        assert a.compiler == b.compiler == "gpu"
+        assert b.flops == pytest.approx(a.flops, rel=1e-9), layout
+        assert b.memory.state == a.memory.state, layout
+        expected = dict(a.collectives)
+        if layout == "fsdp":
+            expected["all-gather"] += layer_bytes
+        assert b.collectives == expected, layout
+
+
+@pytest.mark.skipif(not has_tpu_compiler(), reason="needs nnx_sharding[tpu]")
+def test_a_scanned_decoder_plans_as_the_unrolled_one_on_the_tpu_compiler():
+    """The TPU compiler writes no trip count: it is read from the loop's condition. The
+    same state and gradient reductions (all-reduced, or reduce-scattered by FSDP), the
+    same tensor-parallel all-reduces; the FLOPs within 25 % (``cost_analysis`` counts
+    the loop once: the other iterations add their matmuls, not their elementwise work)."""
+    unrolled, scanned = _plans(False, "v5e:2x4"), _plans(True, "v5e:2x4")
+    for layout in ("dp", "zero1", "fsdp", "tp"):
+        a, b = unrolled[layout], scanned[layout]
+        assert a.compiler == b.compiler == "tpu"
+        assert b.flops == pytest.approx(a.flops, rel=0.25), layout
+        assert any("loop" in note for note in b.notes), layout  # the iterations added
+        assert b.memory.state == a.memory.state, layout
+    for layout, kind in [("dp", "all-reduce"), ("tp", "all-reduce"), ("fsdp", "reduce-scatter")]:
+        assert scanned[layout].collectives[kind] == unrolled[layout].collectives[kind], layout
+
+
+@pytest.mark.skipif(not has_gpu_compiler(), reason="needs nnx_sharding[gpu]")
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_tensor_parallel_all_reduces_once_per_block_and_pass_on_the_gpu_compiler(scan):
+    """Megatron's count: one all-reduce of ``tokens · d_model`` floats per attention and
+    per MLP block, forward and backward (4 per layer). The GPU compiler sums the q, k and
+    v input gradients before reducing them; the CPU compiler reduces each (6 per layer,
+    tests/plan/test_exact.py)."""
+    tp = _plans(scan, "h100")["tp"]
+    activation = CONFIG.batch * CONFIG.seq_len * CONFIG.d_model * F32
+    reduces = [c for c in tp.detail if c.kind == "all-reduce" and c.bytes > 4]
+    assert [c.bytes for c in reduces] == [activation] * (CONFIG.layers * 4)
+    assert all(c.group_size == 8 for c in reduces)
