@@ -94,7 +94,8 @@ def runs(instrs: list[_Instr]) -> dict[str, int]:
     """How many times each computation runs in one execution of the module: the entry
     once; a loop's body and condition its trip count (`trip_count`) times the
     computation that holds the loop; anything else called (fusions, reducers, branches)
-    as often as its callers, summed over them."""
+    as often as its callers, summed over them. A computation it finds no call of has 0
+    here; its users count it once."""
     calls: dict[str, list[tuple[str, int]]] = {}  # caller -> (callee, times per call)
     order: list[str] = []
     named = {(ins.computation, ins.name): ins for ins in instrs}
@@ -261,7 +262,7 @@ def collectives(text: str, devices: int) -> list[Collective]:
         else:
             kinds = [kind] * len(sizes)
         once = [Collective(k, b, groups, ins.name) for k, b in zip(kinds, sizes, strict=True)]
-        found += once * times.get(ins.computation, 1)
+        found += once * (times.get(ins.computation) or 1)
     return found
 
 
@@ -343,7 +344,7 @@ def dot_flops(text: str, *, per_iteration: bool = True) -> float:
             continue
         contracted = _contracted(ins, dims)
         out = [int(d) for d in result[0][1].split(",") if d]
-        total += 2.0 * math.prod(out) * contracted * times.get(ins.computation, 1)
+        total += 2.0 * math.prod(out) * contracted * (times.get(ins.computation) or 1)
     return total
 
 
