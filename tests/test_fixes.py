@@ -821,6 +821,86 @@ CASES = [
         TypeError,
         check="close(y, expected + 1)",
     ),
+    # --- jit_partial --------------------------------------------------------------------------
+    Case(
+        "partial_output_aliases",
+        1,
+        "model.count = nnx.BatchStat(jnp.array(0))\n"
+        "def f(model, x):\n    model.count[...] += 1\n    return model(x), model.count\n",
+        "nnx_sharding.jit_partial(f, model)(x)",
+        "def f(model, x):\n    model.count[...] += 1\n    return model(x), model.count[...]\n"
+        "y, count = nnx_sharding.jit_partial(f, model)(x)",
+        ValueError,
+        check="close(y, expected)\nassert int(count) == 1 and int(model.count[...]) == 1",
+    ),
+    Case(
+        "partial_metadata_changed",
+        2,
+        "def f(model, x):\n    model.kernel.set_metadata('tag', 1)\n    return model(x)\n",
+        "nnx_sharding.jit_partial(f, model, graph_updates=False)(x)",
+        "y = nnx_sharding.jit(f, graph_updates=False)(model, x)",
+        ValueError,
+        check="close(y, expected)\nassert model.kernel.get_metadata()['tag'] == 1",
+    ),
+    Case(
+        "partial_runtime_variable",
+        1,
+        "count = nnx.BatchStat(jnp.array(0))\n"
+        "def f(model, count, x):\n    count[...] += 1\n    return model(x)\n",
+        "nnx_sharding.jit_partial(f, model)(count, x)",
+        "step = nnx_sharding.jit_partial(f, model, count)\ny = step(x)\ny = step(x)",
+        ValueError,
+        names=(("jit_partial(", "nnx_sharding.jit_partial("), ("other, ...", "count")),
+        check="close(y, expected)\nassert int(count[...]) == 2",
+    ),
+    Case(
+        "partial_unsupported_variable",
+        1,
+        "model.scale = nnx.Param(jnp.array(1.0), ref=True)\n"
+        "def f(model, x):\n    model.scale[...] += 1.0\n    return model(x) * model.scale[...]\n",
+        "nnx_sharding.jit_partial(f, model)",
+        "y = nnx_sharding.jit(f, graph_updates=False)(model, x)",
+        ValueError,
+        id="ref",
+        check="close(y, 2 * expected)\nassert float(model.scale[...]) == 2.0",
+    ),
+    Case(
+        "partial_unsupported_variable",
+        1,
+        "model.scale = nnx.Param(jnp.array(1.0), hijax=True)\n"
+        "def f(model, x):\n    model.scale[...] += 1.0\n    return model(x) * model.scale[...]\n",
+        "nnx_sharding.jit_partial(f, model)",
+        "y = nnx_sharding.jit(f, graph_updates=False)(model, x)",
+        ValueError,
+        id="hijax",
+        check="close(y, 2 * expected)\nassert float(model.scale[...]) == 2.0",
+    ),
+    Case(
+        "partial_static",
+        2,
+        "def scaled(model, n, x):\n"
+        "    assert isinstance(n, int)  # static: a Python int, not a tracer\n"
+        "    return model(x) * n\n",
+        "nnx_sharding.jit_partial(scaled, model, static_argnums=0)",
+        "y = nnx_sharding.jit_partial(scaled, model, static_argnums=1)(3, x)",
+        ValueError,
+        id="argnums",
+        snippets=(0,),
+        check="close(y, 3 * expected)",
+    ),
+    Case(
+        "partial_static",
+        2,
+        "def scaled(model, n, x):\n"
+        "    assert isinstance(n, int)  # static: a Python int, not a tracer\n"
+        "    return model(x) * n\n",
+        "nnx_sharding.jit_partial(scaled, model, static_argnums=0)",
+        "y = nnx_sharding.jit_partial(scaled, model, static_argnames='n')(n=3, x=x)",
+        ValueError,
+        id="argnames",
+        snippets=(1,),
+        check="close(y, 3 * expected)",
+    ),
 ]
 
 # Message builders whose fixes have no code to run (or only name an option or a value
@@ -840,6 +920,7 @@ PROSE = {
     "cannot_place",
     "export_bad_key",
     "export_bad_arguments",
+    "partial_aliases",  # pass graph=True, or nnx.clone the shared part
     # parts of other messages
     "bad_state_sharding_spec",
     "prefix_mismatch",
@@ -852,17 +933,6 @@ PROSE = {
     "name_spec_paths",
     "name_leaves",
     "export_wrong_kind",
-}
-
-# jit_partial's messages whose code fixes are not run here yet (their errors are tested
-# in tests/test_jit_partial.py).
-UNTRIED = {
-    "partial_aliases",
-    "partial_output_aliases",
-    "partial_metadata_changed",
-    "partial_runtime_variable",
-    "partial_unsupported_variable",
-    "partial_static",
 }
 
 SNIPPET = re.compile(r"`([^`]+)`")
@@ -951,7 +1021,7 @@ def _builders(module: object) -> set[str]:
 def test_every_message_is_classified() -> None:
     """A new message builder must get a case (its fixes have code) or join PROSE."""
     modules = (_objects, _partial, _prefixes, _tools, _transforms)
-    builders = set().union(*map(_builders, modules)) - UNTRIED
+    builders = set().union(*map(_builders, modules))
     tested = {case.builder for case in CASES}
     assert builders - tested - PROSE == set()
     assert tested & PROSE == set()

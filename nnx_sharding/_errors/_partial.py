@@ -60,7 +60,9 @@ def partial_metadata_changed(paths: Sequence[str]) -> str:
         "Variables' metadata is part of that structure and cannot change inside.",
         [
             "change the metadata outside, then call jit_partial again;",
-            "or use nnx_sharding.jit, which re-reads the structure on every call.",
+            "or use `nnx_sharding.jit(f, graph_updates=False)`, which re-reads the structure "
+            "on every call and writes metadata changes back (with graph_updates=True, its "
+            "default, they are dropped).",
         ],
         flax="Variable metadata changed inside jit",
     )
@@ -90,7 +92,8 @@ def partial_unsupported_variable(paths: Sequence[str]) -> str:
         "Rule: jit_partial passes each Variable's value into the program and writes the "
         "new value back; jax updates ref and hijax Variables in place instead.",
         [
-            "use nnx_sharding.jit, which takes them;",
+            "use `nnx_sharding.jit(f, graph_updates=False)`, which takes them (with "
+            "graph_updates=True, its default, it fails on hijax ones, as nnx.jit does);",
             "or create the Variables without ref=True / hijax=True.",
         ],
     )
