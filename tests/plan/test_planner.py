@@ -269,3 +269,18 @@ def test_importing_the_package_does_not_import_the_planner():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "Accelerator"
+
+
+def test_a_step_may_constrain_its_activations_by_axis_name():
+    """Each candidate is traced under its mesh (``jax.set_mesh``): a bare PartitionSpec
+    in the step names the candidate's axes."""
+    model = nnx.eval_shape(lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(0)))
+
+    def step(model: nnx.Linear, x: jax.Array) -> jax.Array:
+        y = jax.lax.with_sharding_constraint(model(x), jax.sharding.PartitionSpec("data"))
+        return jnp.sum(y**2)
+
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    (dp,) = nnx_sharding.plan(step, model, x, devices=8, layouts=["dp"])
+    assert dp.reason is None and dp.fits
+    assert dp.collectives["all-gather"] == 0  # the batch stays split, as constrained
