@@ -64,8 +64,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch",
         type=positive,
-        help="sequences per step (default: the config's, raised to a multiple of the device "
-        "count, so that every layout can split it)",
+        help="sequences per step (default: the smallest multiple of both the config's and "
+        "the device count, so that every layout can split it)",
     )
     p.add_argument("--seq", type=positive, help="tokens per sequence (default: the config's)")
     p.add_argument(

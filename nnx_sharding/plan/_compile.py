@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from .._jit import jit
 from .._sharding import StateSharding, is_node
 from .._state_sharding import AtPath
-from . import _hlo
+from . import _flops, _hlo
 from ._cost import Memory, predict
 from ._layouts import Candidate, Path, data_spec, node_specs
 from ._plan import Plan, bind
@@ -177,7 +177,7 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         temp=int(stats.temp_size_in_bytes),
     )
     if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
-        flops = _hlo.dot_flops(text)
+        flops = _flops.dot_flops(text)
         accessed = float(memory.arguments + memory.outputs + 2 * memory.temp)
         notes.append(
             f"the {step.compiler} compiler gives no cost_analysis: FLOPs are the optimized "
@@ -216,13 +216,13 @@ def _per_iteration(text: str, flops: float, accessed: float) -> tuple[float, flo
     """``cost_analysis``'s FLOPs and bytes accessed with a loop's body counted once per
     iteration: ``cost_analysis`` counts it once. The matmuls of the further iterations
     are added (counted from ``text``), and the bytes accessed scaled by as much."""
-    once, every = _hlo.dot_flops(text, per_iteration=False), _hlo.dot_flops(text)
+    once, every = _flops.dot_flops(text, per_iteration=False), _flops.dot_flops(text)
     if every <= once or flops <= 0:
         return flops, accessed, None
     scale = (flops + every - once) / flops
-    note = (
+    note = (  # one text for every plan: the table shows it once, in its caption
         "cost_analysis counts a loop's body once: the matmul FLOPs of its other iterations "
-        f"are added, and bytes accessed scaled by as much (x{scale:.2f})"
+        "are added, and bytes accessed scaled by as much"
     )
     return flops * scale, accessed * scale, note
 

@@ -122,8 +122,9 @@ def runs(instrs: list[_Instr]) -> dict[str, int]:
 
 def trip_count(loop: _Instr, instrs: list[_Instr], named: dict[tuple[str, str], _Instr]) -> int:
     """A ``while``'s iterations: the count the compiler wrote into its backend config
-    (the CPU and GPU compilers), else read from its condition, ``i < N`` on a counter of
-    the loop state that starts at a constant (the TPU compiler); 1 if neither is there."""
+    (the CPU and GPU compilers), else read from the loop itself (the TPU compiler): its
+    condition ``i < N`` on an integer of the loop state that starts at a constant and
+    that its body adds 1 to; 1 (the body counted once) where neither is there."""
     if found := _TRIP_COUNT.search(loop.rest):
         return int(found.group(1))
     condition = re.search(r"condition=%?([\w.\-]+)", loop.rest)
@@ -141,6 +142,10 @@ def trip_count(loop: _Instr, instrs: list[_Instr], named: dict[tuple[str, str], 
         index and counter.opcode == "get-tuple-element" and bound and bound.opcode == "constant"
     ):
         return 1
+    body = re.search(r"body=%?([\w.\-]+)", loop.rest)
+    integer = re.match(r"[su](8|16|32|64)\[\]", counter.shape)
+    if not (integer and body and _adds_one(body.group(1), int(index.group(1)), instrs, named)):
+        return 1
     state = [named.get((loop.computation, name)) for name in _operands(loop.rest)[:1]]
     start = 0
     if state and state[0] is not None and state[0].opcode == "tuple":
@@ -149,6 +154,29 @@ def trip_count(loop: _Instr, instrs: list[_Instr], named: dict[tuple[str, str], 
         init = named.get((loop.computation, fields[first])) if first < len(fields) else None
         start = _constant(init) if init is not None and init.opcode == "constant" else 0
     return max(_constant(bound) - start, 0)
+
+
+def _adds_one(
+    body: str, index: int, instrs: list[_Instr], named: dict[tuple[str, str], _Instr]
+) -> bool:
+    """Whether loop body ``body`` adds the constant 1 to element ``index`` of its state
+    (read through copies): the counter of a loop that steps by one."""
+    code = [ins for ins in instrs if ins.computation == body]
+    counter = {
+        ins.name
+        for ins in code
+        if ins.opcode == "get-tuple-element" and re.search(rf"\bindex={index}\b", ins.rest)
+    }
+    for ins in code:  # HLO lists operands before their users
+        if ins.opcode in ("copy", "bitcast") and set(_operands(ins.rest)) & counter:
+            counter.add(ins.name)
+        if ins.opcode == "add":
+            operands = _operands(ins.rest)
+            ones = [named.get((body, op)) for op in operands if op not in counter]
+            if len(operands) == 2 and len(ones) == 1 and ones[0] is not None:
+                if ones[0].opcode == "constant" and _constant(ones[0]) == 1:
+                    return True
+    return False
 
 
 def _constant(ins: _Instr) -> int:
@@ -320,54 +348,6 @@ def _slices(user: _Instr, size: int, pid: set[tuple[str, str]]) -> bool:
     if not out or sum(out) >= size:
         return False
     return any((user.computation, op) in pid for op in _operands(user.rest))
-
-
-def dot_flops(text: str, *, per_iteration: bool = True) -> float:
-    """FLOPs of the matmuls of an optimized HLO module: ``2 · result elements ·
-    contracted size`` for each ``dot`` (fused ones included), each cuBLAS GEMM custom
-    call and each ``convolution`` (the TPU compiler writes matmuls so: counted as a
-    matmul over its input features, whatever its window), a loop's once
-    per iteration (``per_iteration=False``: once, as ``cost_analysis`` counts them).
-    What a compiler without ``cost_analysis`` (the GPU's) is counted by."""
-    instrs = list(_instructions(text))
-    times = runs(instrs) if per_iteration else {}
-    shapes = {(i.computation, i.name): i.shape for i in instrs}
-    total = 0.0
-    for ins in instrs:
-        operands = _operands(ins.rest)
-        inline = _ARRAY.findall(ins.rest.split("%", 1)[0])
-        first = _ARRAY.findall(shapes.get((ins.computation, operands[0]), "")) if operands else []
-        lhs = first or inline
-        dims = [int(d) for d in lhs[0][1].split(",") if d] if lhs else []
-        result = _ARRAY.findall(ins.shape)
-        if not (dims and result):
-            continue
-        contracted = _contracted(ins, dims)
-        out = [int(d) for d in result[0][1].split(",") if d]
-        total += 2.0 * math.prod(out) * contracted * (times.get(ins.computation) or 1)
-    return total
-
-
-def _contracted(ins: _Instr, lhs: list[int]) -> int:
-    """The size a matmul instruction sums over per result element (0: not a matmul)."""
-    if ins.opcode == "dot":
-        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
-    elif ins.opcode == "custom-call" and re.search(r"gemm|matmul", ins.rest):
-        m = re.search(r'"lhs_contracting_dimensions":\[([\d",]*)\]', ins.rest)
-    elif ins.opcode == "convolution":  # dim_labels=bf_io->bf: f, the input features
-        # The TPU compiler writes a batched matmul as a convolution whose batch is a
-        # spatial dimension, one window position per output: the features are summed.
-        labels = re.search(r"dim_labels=(\w+)_\w+->", ins.rest)
-        if not labels or "f" not in labels.group(1) or len(labels.group(1)) != len(lhs):
-            return 0
-        groups = re.search(r"feature_group_count=(\d+)", ins.rest)
-        return lhs[labels.group(1).index("f")] // (int(groups.group(1)) if groups else 1)
-    else:
-        return 0
-    if not m:
-        return 0
-    axes = [int(c.strip('"')) for c in m.group(1).split(",") if c.strip('"')]
-    return math.prod(lhs[c] for c in axes if c < len(lhs))
 
 
 def summary(found: list[Collective]) -> dict[str, int]:

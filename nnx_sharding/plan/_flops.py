@@ -1,0 +1,110 @@
+"""The FLOPs of an optimized HLO module's matmuls, counted from its text: what a
+compiler without ``cost_analysis`` (the GPU's) is costed by, and what a loop's further
+iterations add to the ``cost_analysis`` of one that has it."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from ._hlo import _ARRAY, _Instr, _instructions, _operands, runs
+
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def dot_flops(text: str, *, per_iteration: bool = True) -> float:
+    """FLOPs of the matmuls of an optimized HLO module: ``2 · result elements ·
+    contracted size`` for each ``dot`` (fused ones included) and each cuBLAS GEMM custom
+    call, and for each ``convolution`` (the TPU compiler writes matmuls so) its
+    multiply-adds as XLA counts them (`conv_flops`); a loop's once per iteration
+    (``per_iteration=False``: once, as ``cost_analysis`` counts them)."""
+    instrs = list(_instructions(text))
+    times = runs(instrs) if per_iteration else {}
+    shapes = {(i.computation, i.name): i.shape for i in instrs}
+    total = 0.0
+    for ins in instrs:
+        operands = _operands(ins.rest)
+        inline = _ARRAY.findall(ins.rest.split("%", 1)[0])
+        first = _ARRAY.findall(shapes.get((ins.computation, operands[0]), "")) if operands else []
+        lhs = first or inline
+        dims = [int(d) for d in lhs[0][1].split(",") if d] if lhs else []
+        result = _ARRAY.findall(ins.shape)
+        if not (dims and result):
+            continue
+        out = [int(d) for d in result[0][1].split(",") if d]
+        if ins.opcode == "convolution":
+            flops = conv_flops(ins, dims, out)
+        else:
+            flops = 2.0 * math.prod(out) * _contracted(ins, dims)
+        total += flops * (times.get(ins.computation) or 1)
+    return total
+
+
+def _contracted(ins: _Instr, lhs: list[int]) -> int:
+    """The size a ``dot`` or GEMM call sums over per result element (0: neither)."""
+    if ins.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+    elif ins.opcode == "custom-call" and re.search(r"gemm|matmul", ins.rest):
+        m = re.search(r'"lhs_contracting_dimensions":\[([\d",]*)\]', ins.rest)
+    else:
+        return 0
+    if not m:
+        return 0
+    axes = [int(c.strip('"')) for c in m.group(1).split(",") if c.strip('"')]
+    return math.prod(lhs[c] for c in axes if c < len(lhs))
+
+
+def conv_flops(ins: _Instr, lhs: list[int], out: list[int]) -> float:
+    """``2 ×`` the multiply-adds of a ``convolution``, as XLA's cost analysis counts
+    them: per result batch and feature, the input features of its group times, in each
+    spatial dimension, the (result position, window position) pairs that land on an
+    input element (not on padding, nor between dilated elements). The TPU compiler
+    writes batched matmuls so, with a batch as a spatial dimension. 0 if unreadable."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.rest)
+    if not labels or len(labels.group(1)) != len(lhs) or len(labels.group(3)) != len(out):
+        return 0.0
+    lhs_labels, out_labels = labels.group(1), labels.group(3)
+    spatial = sorted(ch for ch in lhs_labels if ch.isdigit())
+    groups = re.search(r"feature_group_count=(\d+)", ins.rest)
+    fma = out[out_labels.index("b")] * out[out_labels.index("f")]
+    fma *= lhs[lhs_labels.index("f")] // (int(groups.group(1)) if groups else 1)
+    window = _window(ins.rest, len(spatial))
+    for i, ch in enumerate(spatial):
+        size, stride, (low, _), lhs_dilate, rhs_dilate = (field[i] for field in window)
+        fma *= _pairs(lhs[lhs_labels.index(ch)], out[out_labels.index(ch)], size, stride, low,
+                      lhs_dilate, rhs_dilate)  # fmt: skip
+    return 2.0 * fma
+
+
+def _window(rest: str, n: int) -> list[list[Any]]:
+    """A convolution's window, per spatial dimension: size, stride, (low, high) padding,
+    lhs dilation, rhs dilation (XLA's defaults where the text leaves one out)."""
+    found = _WINDOW.search(rest)
+    fields = dict(f.split("=", 1) for f in found.group(1).split()) if found else {}
+
+    def ints(name: str, default: int) -> list[int]:
+        text = fields.get(name)
+        return [int(x) for x in text.split("x")] if text else [default] * n
+
+    pads = fields.get("pad")
+    pad = [tuple(int(v) for v in p.split("_")) for p in pads.split("x")] if pads else [(0, 0)] * n
+    return [ints("size", 1), ints("stride", 1), pad, ints("lhs_dilate", 1), ints("rhs_dilate", 1)]
+
+
+def _pairs(
+    size_in: int,
+    size_out: int,
+    window: int,
+    stride: int,
+    low: int,
+    lhs_dilate: int,
+    rhs_dilate: int,
+) -> int:
+    """How many (result position, window position) pairs of one spatial dimension read
+    an input element."""
+    at = np.arange(size_out)[:, None] * stride + np.arange(window)[None, :] * rhs_dilate - low
+    hit = (at >= 0) & (at <= (size_in - 1) * lhs_dilate) & (at % lhs_dilate == 0)
+    return int(hit.sum())
