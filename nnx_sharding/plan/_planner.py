@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -120,12 +121,22 @@ def plan(
         notes=(note,) if note else (),
         originals=tuple(args),
     )
-    plans = []
-    for candidate in _progress(chosen, progress):
+
+    def build(candidate: Candidate) -> Any:
         if tp_problem is not None and "model" in candidate.mesh_shape:
-            plans.append(_unbuilt(step, candidate, tp_problem))
-            continue
-        plans.append(compile_candidate(step, candidate))
+            return _unbuilt(step, candidate, tp_problem)
+        return compile_candidate(step, candidate)
+
+    # Two candidates at a time: one traces and lowers (Python) while the other compiles.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pending = [pool.submit(build, candidate) for candidate in chosen]
+        try:
+            shown = zip(_progress(chosen, progress), pending, strict=True)
+            plans = [future.result() for _, future in shown]
+        except BaseException:  # an interrupt or an error: start no other candidate
+            for future in pending:
+                future.cancel()
+            raise
     where = f"{accel.name}, {topology}" if topology else accel.name
     title = (
         f"{n} devices ({where}; figures from the {compiler} compiler), "
