@@ -39,6 +39,7 @@ _CALLED = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_INTEGER = re.compile(r"[su](8|16|32|64)\[\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,20 +97,22 @@ def runs(instrs: list[_Instr]) -> dict[str, int]:
     computation that holds the loop; anything else called (fusions, reducers, branches)
     as often as its callers, summed over them. A computation it finds no call of has 0
     here; its users count it once."""
-    calls: dict[str, list[tuple[str, int]]] = {}  # caller -> (callee, times per call)
-    order: list[str] = []
-    named = {(ins.computation, ins.name): ins for ins in instrs}
+    code: dict[str, list[_Instr]] = {}  # computation -> its instructions, in order
     for ins in instrs:
-        if ins.computation not in calls:
-            calls[ins.computation] = []
-            order.append(ins.computation)
-        loop = trip_count(ins, instrs, named) if ins.opcode == "while" else 1
-        for role, callee in _CALLED.findall(ins.rest):
-            calls[ins.computation].append((callee, loop if role in ("body", "condition") else 1))
-        for branches in _BRANCHES.findall(ins.rest):
-            calls[ins.computation] += [(b, 1) for b in re.findall(r"%?([\w.\-]+)", branches)]
+        code.setdefault(ins.computation, []).append(ins)
+    named = {(ins.computation, ins.name): ins for ins in instrs}
+    calls: dict[str, list[tuple[str, int]]] = {}  # caller -> (callee, times per call)
+    for caller, body in code.items():
+        calls[caller] = []
+        for ins in body:
+            loop = trip_count(ins, code, named) if ins.opcode == "while" else 1
+            for role, callee in _CALLED.findall(ins.rest):
+                calls[caller].append((callee, loop if role in ("body", "condition") else 1))
+            for branches in _BRANCHES.findall(ins.rest):
+                calls[caller] += [(b, 1) for b in re.findall(r"%?([\w.\-]+)", branches)]
     # HLO text defines a computation before any that calls it, so the entry comes last
     # and, read backwards, every caller's count is complete before its callees'.
+    order = list(code)
     times = dict.fromkeys(order, 0)
     if order:
         times[order[-1]] = 1
@@ -120,59 +123,58 @@ def runs(instrs: list[_Instr]) -> dict[str, int]:
     return times
 
 
-def trip_count(loop: _Instr, instrs: list[_Instr], named: dict[tuple[str, str], _Instr]) -> int:
+Code: TypeAlias = dict[str, list[_Instr]]
+Named: TypeAlias = dict[tuple[str, str], _Instr]
+
+
+def trip_count(loop: _Instr, code: Code, named: Named) -> int:
     """A ``while``'s iterations: the count the compiler wrote into its backend config
     (the CPU and GPU compilers), else read from the loop itself (the TPU compiler): its
     condition ``i < N`` on an integer of the loop state that starts at a constant and
-    that its body adds 1 to; 1 (the body counted once) where neither is there."""
+    that its body adds 1 to; 1 (the body counted once) where any of that is not there."""
     if found := _TRIP_COUNT.search(loop.rest):
         return int(found.group(1))
     condition = re.search(r"condition=%?([\w.\-]+)", loop.rest)
-    compares = [
-        ins
-        for ins in instrs
-        if condition and ins.computation == condition.group(1) and ins.opcode == "compare"
-    ]
+    body = re.search(r"body=%?([\w.\-]+)", loop.rest)
+    if not (condition and body):
+        return 1
+    compares = [ins for ins in code.get(condition.group(1), []) if ins.opcode == "compare"]
     if len(compares) != 1 or "direction=LT" not in compares[0].rest:
         return 1
     where = compares[0].computation
     counter, bound = (named.get((where, name)) for name in _operands(compares[0].rest)[:2])
     index = re.search(r"index=(\d+)", counter.rest) if counter else None
-    if not (
-        index and counter.opcode == "get-tuple-element" and bound and bound.opcode == "constant"
-    ):
+    if not (index and counter and counter.opcode == "get-tuple-element"):
         return 1
-    body = re.search(r"body=%?([\w.\-]+)", loop.rest)
-    integer = re.match(r"[su](8|16|32|64)\[\]", counter.shape)
-    if not (integer and body and _adds_one(body.group(1), int(index.group(1)), instrs, named)):
+    if bound is None or bound.opcode != "constant" or not _INTEGER.match(counter.shape):
+        return 1
+    i = int(index.group(1))
+    if not _adds_one(code.get(body.group(1), []), i, named):
         return 1
     state = [named.get((loop.computation, name)) for name in _operands(loop.rest)[:1]]
-    start = 0
-    if state and state[0] is not None and state[0].opcode == "tuple":
-        fields = _operands(state[0].rest)
-        first = int(index.group(1))
-        init = named.get((loop.computation, fields[first])) if first < len(fields) else None
-        start = _constant(init) if init is not None and init.opcode == "constant" else 0
-    return max(_constant(bound) - start, 0)
+    fields = _operands(state[0].rest) if state and state[0] and state[0].opcode == "tuple" else []
+    init = named.get((loop.computation, fields[i])) if i < len(fields) else None
+    while init is not None and init.opcode in ("copy", "bitcast"):  # to what it copies
+        init = named.get((loop.computation, _operands(init.rest)[0]))
+    if init is None or init.opcode != "constant":  # a start known only at run time
+        return 1
+    return max(_constant(bound) - _constant(init), 0)
 
 
-def _adds_one(
-    body: str, index: int, instrs: list[_Instr], named: dict[tuple[str, str], _Instr]
-) -> bool:
-    """Whether loop body ``body`` adds the constant 1 to element ``index`` of its state
-    (read through copies): the counter of a loop that steps by one."""
-    code = [ins for ins in instrs if ins.computation == body]
+def _adds_one(body: list[_Instr], index: int, named: Named) -> bool:
+    """Whether a loop body adds the constant 1 to element ``index`` of its state (read
+    through copies): the counter of a loop that steps by one."""
     counter = {
         ins.name
-        for ins in code
+        for ins in body
         if ins.opcode == "get-tuple-element" and re.search(rf"\bindex={index}\b", ins.rest)
     }
-    for ins in code:  # HLO lists operands before their users
+    for ins in body:  # HLO lists operands before their users
         if ins.opcode in ("copy", "bitcast") and set(_operands(ins.rest)) & counter:
             counter.add(ins.name)
         if ins.opcode == "add":
             operands = _operands(ins.rest)
-            ones = [named.get((body, op)) for op in operands if op not in counter]
+            ones = [named.get((ins.computation, op)) for op in operands if op not in counter]
             if len(operands) == 2 and len(ones) == 1 and ones[0] is not None:
                 if ones[0].opcode == "constant" and _constant(ones[0]) == 1:
                     return True
