@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from nnx_sharding.plan._cli import main
@@ -68,6 +69,8 @@ def test_a_device_count_the_process_lacks_reruns_the_command(capfd):
 def test_the_default_batch_splits_over_every_device(capfd):
     """The tiny config's batch of 8 is raised to 16 for 16 devices: every data-parallel
     layout compiles (none is left with a batch that does not divide), layers scanned."""
+    assert len(jax.devices()) == 8  # jax started: the command reruns itself with 16,
+    # leaving this process's 8 devices to the other tests
     argv = ["--config", "tiny", "--devices", "16", "--accelerator", "cpu", "--layouts", "dp,fsdp"]
     assert main(argv) == 0
     out = capfd.readouterr().out
