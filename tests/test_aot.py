@@ -17,7 +17,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
-from nnx_sharding._aot import CONFIGS, _size, aot_main, aot_report
+from nnx_sharding._aot import _size, aot_main, aot_report
+from nnx_sharding.plan._decoder import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))

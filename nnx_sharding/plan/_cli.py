@@ -40,7 +40,7 @@ def _size(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The command's options."""
-    from .._aot import CONFIGS
+    from ._decoder import CONFIGS
     from ._layouts import LAYOUTS
 
     p = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any)
     from flax import nnx
     from rich.console import Console
 
-    from .._aot import CONFIGS, Decoder
+    from ._decoder import CONFIGS, Decoder
     from ._planner import plan
 
     config = CONFIGS[args.config]
@@ -181,7 +181,7 @@ def train_step(model: Any, optimizer: Any, tokens: Any) -> Any:
     """One adamw step of the decoder's next-token loss; returns the loss."""
     from flax import nnx
 
-    from .._aot import loss_fn
+    from ._decoder import loss_fn
 
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
     optimizer.update(model, grads)

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import nnx_sharding
-from nnx_sharding._aot import Decoder, DecoderConfig, loss_fn
+from nnx_sharding.plan._decoder import Decoder, DecoderConfig, loss_fn
 
 CONFIG = DecoderConfig("exact", vocab=64, d_model=32, heads=8, head_dim=4, mlp=64, layers=2,
                        batch=8, seq_len=16)  # fmt: skip

@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
-from nnx_sharding._aot import Decoder, DecoderConfig, loss_fn
 from nnx_sharding.plan import _flops, _hlo
+from nnx_sharding.plan._decoder import Decoder, DecoderConfig, loss_fn
 from nnx_sharding.plan._devices import has_gpu_compiler, has_tpu_compiler
 
 F32 = 4
