@@ -1,0 +1,27 @@
+"""`Built`: what a step builder returns for one point of a knob search."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A training step and its arguments, built for one set of knob values.
+
+    A builder (``build(knobs) -> Built``) turns knob values such as
+    ``{'remat': 'dots', 'microbatches': 4}`` into the step the planner compiles under
+    each layout. ``model_flops`` is the step's useful work counted from the model (for
+    a decoder ``6·N·tokens`` plus attention), the numerator of the model TFLOP/s
+    that published runs report; ``None`` where the builder does not know it.
+
+    >>> Built(lambda x: x, (1.0,)).jit_options
+    {}
+    """
+
+    step: Callable[..., Any]
+    args: tuple[Any, ...]
+    jit_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model_flops: float | None = None
