@@ -45,8 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead  # noqa: E402  (the model, the steps and the floors)
 
 import nnx_sharding  # noqa: E402
-from nnx_sharding import _cache, _slots  # noqa: E402
-from nnx_sharding._pointers import same_objects  # noqa: E402
+from nnx_sharding._fastpath import cache as _cache
+from nnx_sharding._fastpath import slots as _slots  # noqa: E402
+from nnx_sharding._fastpath.pointers import same_objects  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_S = 0.05

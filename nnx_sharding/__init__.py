@@ -8,17 +8,17 @@ the package imports neither.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _quiet  # noqa: F401  (first: jax starts without the plugins' noise)
-from ._export import export as export
-from ._exported import Exported as Exported
-from ._exported import deserialize as deserialize
+from ._cli import quiet as _quiet  # noqa: F401  (first: jax starts without the plugins' noise)
+from ._cli.launch import initialize_distributed as initialize_distributed
+from ._export.export import export as export
+from ._export.program import Exported as Exported
+from ._export.program import deserialize as deserialize
 from ._inspect import inspect_sharding as inspect_sharding
 from ._jit import JitWrapped as JitWrapped
 from ._jit import jit as jit
-from ._launch import initialize_distributed as initialize_distributed
+from ._jit_partial.jit_partial import JitPartialWrapped as JitPartialWrapped
+from ._jit_partial.jit_partial import jit_partial as jit_partial
 from ._metadata import shard as shard
-from ._partial import JitPartialWrapped as JitPartialWrapped
-from ._partial import jit_partial as jit_partial
 from ._shard_map import ShardMapFn as ShardMapFn
 from ._shard_map import shard_map as shard_map
 from ._sharding import StateSharding as StateSharding

@@ -8,7 +8,7 @@ and both final losses. A mesh with a ``data`` axis trains the data-parallel reci
 (with ``model`` too: both, on a 2-D mesh). With ``--checkpoint DIR`` the sharded run
 saves to DIR as it trains and, when DIR holds a checkpoint, resumes from it.
 
-Every command gets its simulated devices through `nnx_sharding._cli.cpu_devices_or_rerun`.
+Every command gets its simulated devices through `nnx_sharding._cli.common.cpu_devices_or_rerun`.
 A new command is one entry of `SUBCOMMANDS`.
 """
 
@@ -22,21 +22,21 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 
-from ._cli import Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
-from ._launch import DESCRIPTION as LAUNCH_DESCRIPTION
-from ._launch import USAGE as LAUNCH_USAGE
+from ._cli.common import Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
+from ._cli.launch import DESCRIPTION as LAUNCH_DESCRIPTION
+from ._cli.launch import USAGE as LAUNCH_USAGE
 
 PROG = "python -m nnx_sharding"
 DESCRIPTION = "Trains a sharded nnx MLP on simulated CPU devices next to a one-device reference."
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "aot": (
-        "nnx_sharding._aot:aot_main",
+        "nnx_sharding._cli.aot:aot_main",
         "compile a sharded transformer's training step ahead of time, never allocated; "
         "print its per-device memory and cost",
     ),
     "plan": (
-        "nnx_sharding.plan._cli:main",
+        "nnx_sharding._cli.plan:main",
         "plan the built-in decoder's layout on N devices: every candidate compiled, "
         "ranked by predicted step time",
     ),

@@ -11,30 +11,17 @@ import jax
 from flax import nnx
 
 from . import _errors
-from ._argnums import _shift as _shift
-from ._argnums import check_argnums as check_argnums
-from ._argnums import check_overlap as check_overlap
-from ._argnums import resolve_argnums as resolve_argnums
-from ._cached_partial import CachedPartials, partial_of_jit
-from ._call import CachedCall, PartialRun
-from ._graph import (
-    CallPlan,
-    CallSpec,
-    partition_args,
-)
-from ._jit_inner import make_inner
-from ._sharding import (
-    accept_flax,
-    is_node,
-    prefixes,
-)
+from ._callpath.argnums import _shift as _shift
+from ._callpath.argnums import check_argnums as check_argnums
+from ._callpath.argnums import check_overlap as check_overlap
+from ._callpath.argnums import resolve_argnums as resolve_argnums
+from ._callpath.call import CachedCall, PartialRun
+from ._callpath.jit_body import make_inner
+from ._callpath.outside import CallPlan, CallSpec, partition_args
+from ._callpath.simple import SimpleCall, check_prefix, resolve_mode, unique_leaves
+from ._jit_partial.cached_partial import CachedPartials, partial_of_jit
+from ._sharding import accept_flax, is_node, prefixes
 from ._stages import Lowered, Traced
-from ._tree import (
-    SimpleCall,
-    check_prefix,
-    resolve_mode,
-    unique_leaves,
-)
 from ._types import Device
 
 P = ParamSpec("P")

@@ -28,10 +28,17 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jax.tree_util import keystr
 
 from . import _errors
-from ._call import CachedCall
-from ._changes import graph_changes, graph_objects
-from ._graph import CallPlan, CallSpec, Leaf, checked_on_fast_calls, value_of
-from ._graph_inner import changed_inputs, changed_structure, merge_inputs, snapshots, split_inner
+from ._callpath.call import CachedCall
+from ._callpath.changes import graph_changes, graph_objects
+from ._callpath.inside import (
+    changed_inputs,
+    changed_structure,
+    merge_inputs,
+    snapshots,
+    split_inner,
+)
+from ._callpath.outside import CallPlan, CallSpec, Leaf, checked_on_fast_calls, value_of
+from ._callpath.simple import SimpleCall, check_prefix, resolve_mode, unique_leaves
 from ._shard_map_layout import (
     AxisName,
     Flat,
@@ -45,14 +52,8 @@ from ._shard_map_layout import (
     misplaced,
     spec_of,
 )
-from ._sharding import (
-    StateSharding,
-    is_node,
-    is_prefix_leaf,
-    prefixes,
-)
+from ._sharding import StateSharding, is_node, is_prefix_leaf, prefixes
 from ._stages import Lowered, Traced
-from ._tree import SimpleCall, check_prefix, resolve_mode, unique_leaves
 
 P = ParamSpec("P")
 R = TypeVar("R")

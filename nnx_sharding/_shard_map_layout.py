@@ -20,16 +20,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import _errors
-from ._graph import CallPlan, Leaf, unflatten_all, value_of
-from ._graph_inner import InnerSplit
-from ._sharding import (
-    FromState,
-    ShardingLike,
-    StateSharding,
-    format_path,
-    is_node,
-    is_prefix_leaf,
-)
+from ._callpath.inside import InnerSplit
+from ._callpath.outside import CallPlan, Leaf, unflatten_all, value_of
+from ._sharding import FromState, ShardingLike, StateSharding, format_path, is_node, is_prefix_leaf
 
 Specs: TypeAlias = Any
 """A pytree prefix of PartitionSpecs, `StateSharding`s and Nones (None: replicated)."""

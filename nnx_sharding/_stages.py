@@ -20,10 +20,9 @@ import jax
 from flax import nnx
 
 from . import _errors
-from ._boundary import call_flat, check_writable, host_callbacks
-from ._cache import CacheKey, Entry, PlanState, fast_call, remember
-from ._changes import compiled_differences
-from ._graph import (
+from ._callpath.boundary import call_flat, check_writable, host_callbacks
+from ._callpath.changes import compiled_differences
+from ._callpath.outside import (
     TAG,
     CallPlan,
     Leaf,
@@ -35,6 +34,7 @@ from ._graph import (
     split_call,
     unflatten_all,
 )
+from ._fastpath.cache import CacheKey, Entry, PlanState, fast_call, remember
 from ._types import PyTreeDef
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from hypothesis.stateful import (
 )
 
 import nnx_sharding
-from nnx_sharding import _cache
+from nnx_sharding._fastpath import cache as _cache
 
 F = 3  # features: every model here is tiny; the shapes come from a small fixed set
 # Every array is committed to one device: jax compiles anew for a mix of committed and

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from nnx_sharding._cli.aot import _size, aot_main, aot_report
 
 import nnx_sharding
-from nnx_sharding._aot import _size, aot_main, aot_report
 from nnx_sharding.plan._decoder import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ CHILD = textwrap.dedent(
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
-    from nnx_sharding._aot import aot_report
+    from nnx_sharding._cli.aot import aot_report
     report = aot_report("1b", {"data": 2, "model": 4})
     out = dataclasses.asdict(report)
     # the peak of this process's own memory: Linux's VmHWM (ru_maxrss keeps the peak of

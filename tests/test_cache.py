@@ -316,7 +316,8 @@ def _assert_identical(a, b):
 def splits(monkeypatch):
     """Counts the full path's splits (`_call.split_call`) and the fast path's fallbacks
     to the full merge (`_cache.split_call`)."""
-    from nnx_sharding import _cache, _call
+    from nnx_sharding._callpath import call as _call
+    from nnx_sharding._fastpath import cache as _cache
 
     counts = {"full": 0, "fallback": 0}
     for module, name in ((_call, "full"), (_cache, "fallback")):

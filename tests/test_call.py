@@ -85,7 +85,8 @@ def test_cached_partial_trains_like_a_plain_call(jit):
 def test_cached_partial_flattens_its_clones_once(monkeypatch):
     """Under ``nnx.cached_partial`` the cached clones are flattened once, as jit_partial
     flattens (`_cached_partial`): no call walks the graphs (`split_call`)."""
-    from nnx_sharding import _cached_partial, _call
+    from nnx_sharding._callpath import call as _call
+    from nnx_sharding._jit_partial import cached_partial as _cached_partial
 
     splits, partials = [], []
     original = _call.split_call
@@ -111,7 +112,7 @@ def test_cached_partial_flattens_its_clones_once(monkeypatch):
 @pytest.mark.parametrize("case", ["sharded", "one clone of two donated"])
 def test_cached_partial_takes_the_full_path_where_jit_partial_cannot(monkeypatch, case):
     """Shardings, and clones donated apart, keep jit's path, and give flax's results."""
-    from nnx_sharding import _cached_partial
+    from nnx_sharding._jit_partial import cached_partial as _cached_partial
 
     partials = []
     made = _cached_partial.JitPartialWrapped

@@ -674,7 +674,7 @@ CASES = [
     Case(
         "aot_unknown_config",
         1,
-        "from nnx_sharding._aot import aot_report",
+        "from nnx_sharding._cli.aot import aot_report",
         "aot_report('1B', {'data': 2, 'model': 4})",
         aot_command("python -m nnx_sharding aot --config tiny"),
         ValueError,
@@ -683,7 +683,7 @@ CASES = [
     Case(
         "aot_mesh_too_big",
         1,
-        "from nnx_sharding._aot import aot_report",
+        "from nnx_sharding._cli.aot import aot_report",
         "aot_report('tiny', {'data': 4, 'model': 4})",
         aot_command("python -m nnx_sharding aot --config tiny --devices 16 --mesh data=4,model=4"),
         ValueError,
@@ -693,7 +693,7 @@ CASES = [
     Case(
         "aot_mesh_too_big",
         2,
-        "from nnx_sharding._aot import aot_report",
+        "from nnx_sharding._cli.aot import aot_report",
         "aot_report('tiny', {'data': 4, 'model': 4})",
         aot_command("python -m nnx_sharding aot --config tiny"),
         ValueError,
@@ -703,7 +703,7 @@ CASES = [
     Case(
         "aot_indivisible",
         1,
-        "from nnx_sharding._aot import aot_report",
+        "from nnx_sharding._cli.aot import aot_report",
         "aot_report('tiny', {'model': 8})",
         aot_command("python -m nnx_sharding aot --config tiny --mesh data=2,model=4"),
         ValueError,

@@ -202,7 +202,7 @@ TestStaged.settings = settings(FUZZ, max_examples=max(EXAMPLES // 3, 50))
 def test_the_fuzzed_model_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The premise of `FastPathFuzz`: its model, as built, reaches the fast path (plain
     array attributes included), so the mutations test it."""
-    from nnx_sharding import _call
+    from nnx_sharding._callpath import call as _call
 
     splits: list[int] = []
     real = _call.split_call

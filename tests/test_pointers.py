@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from nnx_sharding import _pointers
+from nnx_sharding._fastpath import pointers as _pointers
 
 
 def test_the_probe_accepts_this_python():

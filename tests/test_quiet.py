@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from nnx_sharding._quiet import quiet
+from nnx_sharding._cli.quiet import quiet
 
 NOISE = (
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"

@@ -262,7 +262,7 @@ def test_adam_update_inside_the_shard_map_body():
 
 
 def test_adam_step_in_jit_stays_on_the_fast_path(monkeypatch):
-    import nnx_sharding._call as call
+    import nnx_sharding._callpath.call as call
 
     calls = []
     real = call.split_call

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import nnx_sharding
-from nnx_sharding import _slots
+from nnx_sharding._fastpath import slots as _slots
 
 TESTS = Path(__file__).parent
 

@@ -14,14 +14,7 @@ from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
 from .. import _errors
 from .._state_sharding import Filter
 from . import _exit, _integrity, _replace
-from ._io import (
-    PathLike,
-    StepSource,
-    as_path,
-    check_manager_directory,
-    handlers,
-    save_args,
-)
+from ._io import PathLike, StepSource, as_path, check_manager_directory, handlers, save_args
 from ._restore import restore_from
 from ._save import probe, write, write_failure
 from ._shardings import Shardings

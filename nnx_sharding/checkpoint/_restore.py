@@ -23,15 +23,7 @@ from .._state_sharding import Filter, Path
 from . import _integrity
 from ._io import DirectorySource, PathLike, Source
 from ._shardings import Shardings, resolve
-from ._state import (
-    Entry,
-    Key,
-    check_values,
-    from_json,
-    stored_key,
-    variables,
-    where,
-)
+from ._state import Entry, Key, check_values, from_json, stored_key, variables, where
 
 T = TypeVar("T")
 Predicate = Callable[[Path, Any], bool]

@@ -9,7 +9,7 @@ by a ``stream_executor.GpuTargetConfigProto`` in text format, shipped here as pa
 data (``gpu_targets/*.txtpb``) per GPU preset.
 
 The plugins print their initialisation errors (no driver, no TPU host) on stderr; the
-calls here run with stderr and jax's plugin logging silenced (`nnx_sharding._quiet`).
+calls here run with stderr and jax's plugin logging silenced (`nnx_sharding._cli.quiet`).
 
 Two processes that load ``libtpu`` at once fail on its lock file (``/tmp/libtpu_lockfile``)
 unless ``ALLOW_MULTIPLE_LIBTPU_LOAD`` is set: importing this module sets it (unless the
@@ -34,7 +34,7 @@ from typing import Literal
 import jax
 
 from .. import _errors
-from .._quiet import quiet
+from .._cli.quiet import quiet
 from ._accelerator import Accelerator, resolve_accelerator
 
 # Before libtpu is first loaded (a jax backend or a TPU topology): processes planning in

@@ -185,7 +185,7 @@ def _tensor_parallel(
     found = metadata_tp(every, rules)
     if found is None:
         try:
-            from ._tensor_parallel import tensor_parallel_specs
+            from ._jaxpr_analysis import tensor_parallel_specs
         except ImportError:  # pragma: no cover - the analysis ships with the planner
             return {}, "the tensor-parallel analysis is not available"
         dynamic = [i for i in range(len(args)) if i not in static]

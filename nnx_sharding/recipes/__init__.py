@@ -17,7 +17,6 @@ from ._data_parallel import data_tensor_parallel_step as data_tensor_parallel_st
 from ._fsdp import fsdp_sharding as fsdp_sharding
 from ._fsdp import fsdp_step as fsdp_step
 from ._fsdp import gather_params as gather_params
-from ._jit_tensor_parallel import jit_tensor_parallel_step as jit_tensor_parallel_step
 from ._model import MLP as MLP
 from ._model import Batch as Batch
 from ._model import OnStep as OnStep
@@ -33,8 +32,9 @@ from ._specs import PathEndsWith as PathEndsWith
 from ._specs import make_mesh as make_mesh
 from ._specs import megatron_sharding as megatron_sharding
 from ._specs import on_mesh as on_mesh
-from ._tensor_parallel import tensor_parallel_step as tensor_parallel_step
-from ._tensor_parallel import tp_forward as tp_forward
+from ._tp_jit import jit_tensor_parallel_step as jit_tensor_parallel_step
+from ._tp_shard_map import tensor_parallel_step as tensor_parallel_step
+from ._tp_shard_map import tp_forward as tp_forward
 
 __all__ = [
     "MLP",

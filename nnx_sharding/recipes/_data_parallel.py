@@ -11,7 +11,7 @@ from .._jit import jit
 from .._shard_map import shard_map
 from ._model import MLP, Array, Step, mse
 from ._specs import AxisName, megatron_sharding, sharded_step
-from ._tensor_parallel import tp_forward
+from ._tp_shard_map import tp_forward
 
 Grads = nnx.State
 

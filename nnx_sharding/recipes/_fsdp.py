@@ -13,7 +13,7 @@ from .._shard_map import shard_map
 from .._sharding import StateSharding
 from ._model import MLP, Array, Step, mse
 from ._specs import AxisName, PathEndsWith, as_spec, sharded_step, spec_dim
-from ._tensor_parallel import tp_forward
+from ._tp_shard_map import tp_forward
 
 M = TypeVar("M", bound=nnx.Module)
 

@@ -40,7 +40,7 @@ from ._model import (
 )
 from ._model import train as train_steps
 from ._specs import AxisName, make_mesh, megatron_sharding, on_mesh
-from ._tensor_parallel import tensor_parallel_step
+from ._tp_shard_map import tensor_parallel_step
 
 if TYPE_CHECKING:
     from ..checkpoint import Manager

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from nnx_sharding import _quiet, checkpoint
+from nnx_sharding import checkpoint
+from nnx_sharding._cli import quiet as _quiet
 
 RUNS = 9
 AT_ONCE = 3

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import jax
 import pytest
-
-from nnx_sharding.plan._cli import main
+from nnx_sharding._cli.plan import main
 
 
 def test_plans_the_decoder_and_prints_the_ranked_table(capsys, tmp_path):

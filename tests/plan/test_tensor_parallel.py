@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_sharding.plan._tensor_parallel import tensor_parallel_specs
+from nnx_sharding.plan._jaxpr_analysis import tensor_parallel_specs
 
 D, H, F = 32, 8, 128
 

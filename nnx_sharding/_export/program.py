@@ -18,10 +18,10 @@ from flax import nnx
 from jax.core import ShapedArray
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import _errors
-from ._graph import Leaf
-from ._sharding import format_path, is_node
-from ._types import HloSharding, PyTreeDef
+from .. import _errors
+from .._callpath.outside import Leaf
+from .._sharding import format_path, is_node
+from .._types import HloSharding, PyTreeDef
 
 Path: TypeAlias = tuple[Any, ...]
 

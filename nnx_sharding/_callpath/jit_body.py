@@ -15,10 +15,8 @@ from typing import Any, TypeAlias
 import jax
 from flax import nnx
 
-from . import _errors
-from ._graph import CallPlan, Leaf, checked_on_fast_calls, chunks, value_of
-from ._graph_inner import InnerSplit, changed_inputs, merge_inputs, snapshots, split_inner
-from ._sharding import (
+from .. import _errors
+from .._sharding import (
     ShardingLike,
     StateSharding,
     broadcast_prefix,
@@ -27,6 +25,8 @@ from ._sharding import (
     is_node,
     variable_shardings,
 )
+from .inside import InnerSplit, changed_inputs, merge_inputs, snapshots, split_inner
+from .outside import CallPlan, Leaf, checked_on_fast_calls, chunks, value_of
 
 
 def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:

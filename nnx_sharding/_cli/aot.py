@@ -24,11 +24,11 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.table import Table
 
-from . import _errors
-from ._cli import MESH_AXES, Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
-from ._jit import jit
-from ._metadata import shard
-from .plan._decoder import CONFIGS, LOGICAL_AXES, Decoder, DecoderConfig, train_step
+from .. import _errors
+from .._jit import jit
+from .._metadata import shard
+from ..plan._decoder import CONFIGS, LOGICAL_AXES, Decoder, DecoderConfig, train_step
+from .common import MESH_AXES, Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
 
 AXES = MESH_AXES
 """The mesh axes the configs shard over: FSDP over ``data``, tensor parallelism over ``model``."""
@@ -237,7 +237,7 @@ def aot_main(argv: Sequence[str]) -> int:
     Prints the `aot_report` of one training step of the config on a mesh of simulated
     CPU devices, any count: ``--devices`` defaults to the mesh's size (8 when neither
     is given), and the mesh to ``data=2`` and ``model`` the rest. The process gets the
-    devices through `nnx_sharding._cli.cpu_devices_or_rerun`. A bad option, a mesh
+    devices through `nnx_sharding._cli.common.cpu_devices_or_rerun`. A bad option, a mesh
     whose size is not ``--devices`` or one that cannot split the config exits with
     one line on stderr and status 2, before anything is compiled.
 

@@ -16,14 +16,10 @@ import jax
 from flax import nnx
 from jax.tree_util import keystr
 
-from ._graph import TAG, CallPlan, GraphDef, Leaf, OutPlan, unflatten_all
-from ._sharding import (
-    broadcast_prefix,
-    check_leaf_entries,
-    is_node,
-)
-from ._snapshot import Structure, Uncacheable
-from ._types import PyTreeDef
+from .._fastpath.snapshot import Structure, Uncacheable
+from .._sharding import broadcast_prefix, check_leaf_entries, is_node
+from .._types import PyTreeDef
+from .outside import TAG, CallPlan, GraphDef, Leaf, OutPlan, unflatten_all
 
 
 def merge_inputs(plan: CallPlan, leaves: Sequence[Leaf]) -> tuple[tuple, dict, list[Any]]:

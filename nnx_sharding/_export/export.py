@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _errors
-from ._exported import Exported, flat_state, is_state, nested_state
-from ._graph import (
+from .. import _errors
+from .._callpath.jit_body import make_inner
+from .._callpath.outside import (
     TAG,
     CallPlan,
     CallSpec,
@@ -35,10 +35,10 @@ from ._graph import (
     split_call,
     unflatten_all,
 )
-from ._jit import JitWrapped
-from ._jit_inner import make_inner
-from ._sharding import format_path, is_node
-from ._stages import arrange
+from .._jit import JitWrapped
+from .._sharding import format_path, is_node
+from .._stages import arrange
+from .program import Exported, flat_state, is_state, nested_state
 
 
 def _resolve(sharding: Any, site: Site) -> NamedSharding | None:

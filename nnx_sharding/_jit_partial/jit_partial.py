@@ -22,14 +22,15 @@ from typing import Any, Generic, TypeVar
 import jax
 from flax import nnx
 
-from . import _errors, _slots
-from ._boundary import check_writable, host_callbacks
-from ._cache import trace_state
-from ._graph import Leaf
-from ._partial_split import TRANSFORM, _check_tree_aliases, _split, is_variable
-from ._partial_trace import _make_inner, _rebuild, _Result
-from ._sharding import accept_flax, incompatible_shardings, mismatched_shardings
-from ._types import Device
+from .. import _errors
+from .._callpath.boundary import check_writable, host_callbacks
+from .._callpath.outside import Leaf
+from .._fastpath import slots as _slots
+from .._fastpath.cache import trace_state
+from .._sharding import accept_flax, incompatible_shardings, mismatched_shardings
+from .._types import Device
+from .split import TRANSFORM, _check_tree_aliases, _split, is_variable
+from .trace import _make_inner, _rebuild, _Result
 
 R = TypeVar("R")
 

@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 from jax.tree_util import DictKey, SequenceKey, keystr
 
-from . import _errors
-from ._sharding import (
+from .. import _errors
+from .._sharding import (
     ShardingLike,
     broadcast_prefix,
     check_leaf_entries,
@@ -39,7 +39,7 @@ from ._sharding import (
     is_node,
     variable_shardings,
 )
-from ._types import PyTreeDef
+from .._types import PyTreeDef
 
 TAG = "nnx_sharding"
 Leaf: TypeAlias = Any

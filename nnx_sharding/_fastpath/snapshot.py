@@ -13,8 +13,8 @@ from flax import nnx
 from flax.nnx import graph as nnx_graph
 from jax.core import Tracer
 
-from . import _slots
-from ._pointers import same_objects
+from . import slots as _slots
+from .pointers import same_objects
 
 
 class Uncacheable(Exception):

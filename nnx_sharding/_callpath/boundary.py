@@ -19,9 +19,9 @@ from flax.errors import TraceContextError
 from jax.core import Tracer
 from jax.sharding import AbstractMesh, Mesh
 
-from . import _errors
-from ._graph import CallPlan, Leaf, Site
-from ._sharding import incompatible_shardings, mismatched_shardings
+from .. import _errors
+from .._sharding import incompatible_shardings, mismatched_shardings
+from .outside import CallPlan, Leaf, Site
 
 
 def call_flat(

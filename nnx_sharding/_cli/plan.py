@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._cli import Parser, cpu_devices_or_rerun, positive
+from .common import Parser, cpu_devices_or_rerun, positive
 
 PROG = "python -m nnx_sharding plan"
 RULES = [("heads", "model"), ("mlp", "model"), ("vocab", "model"), ("embed", None)]
@@ -28,7 +28,7 @@ MAX_DEVICES = 1024
 
 
 def _size(text: str) -> int:
-    from ._cost import parse_bytes
+    from ..plan._cost import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -40,8 +40,8 @@ def _size(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The command's options."""
-    from ._decoder import CONFIGS
-    from ._layouts import LAYOUTS
+    from ..plan._decoder import CONFIGS
+    from ..plan._layouts import LAYOUTS
 
     p = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
     p.add_argument("--config", default="1b", choices=list(CONFIGS), help="the decoder (1b)")
@@ -81,14 +81,14 @@ def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     p = parser()
     args = p.parse_args(argv)
-    from ._accelerator import resolve_accelerator
-    from ._devices import has_gpu_compiler, has_tpu_compiler
-    from ._layouts import LAYOUTS
+    from ..plan._accelerator import resolve_accelerator
+    from ..plan._devices import has_gpu_compiler, has_tpu_compiler
+    from ..plan._layouts import LAYOUTS
 
     try:
         accelerator, topology = resolve_accelerator(args.accelerator)
     except ValueError:
-        from ._accelerator import PRESETS
+        from ..plan._accelerator import PRESETS
 
         p.error(
             f"unknown --accelerator {args.accelerator!r}; choose a preset "
@@ -98,7 +98,7 @@ def main(argv: Sequence[str]) -> int:
     if layouts and (wrong := [x for x in layouts if x not in LAYOUTS]):
         p.error(f"unknown --layouts {','.join(wrong)}; choose among {','.join(LAYOUTS)}")
     if topology is not None and args.devices is None:
-        from ._planner import _default_count
+        from ..plan._planner import _default_count
 
         devices = _default_count(topology, args.num_slices)
     else:
@@ -126,8 +126,8 @@ def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any)
     from flax import nnx
     from rich.console import Console
 
-    from ._decoder import CONFIGS, Decoder
-    from ._planner import plan
+    from ..plan._decoder import CONFIGS, Decoder
+    from ..plan._planner import plan
 
     config = CONFIGS[args.config]
     batch = args.batch or math.lcm(config.batch, devices)
@@ -181,7 +181,7 @@ def train_step(model: Any, optimizer: Any, tokens: Any) -> Any:
     """One adamw step of the decoder's next-token loss; returns the loss."""
     from flax import nnx
 
-    from ._decoder import loss_fn
+    from ..plan._decoder import loss_fn
 
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
     optimizer.update(model, grads)

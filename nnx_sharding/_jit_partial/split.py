@@ -15,15 +15,10 @@ import jax
 from flax import nnx
 from jax.tree_util import keystr
 
-from . import _errors
-from ._graph import Leaf, Site
-from ._sharding import (
-    ShardingLike,
-    broadcast_prefix,
-    is_node,
-    variable_shardings,
-)
-from ._types import PyTreeDef
+from .. import _errors
+from .._callpath.outside import Leaf, Site
+from .._sharding import ShardingLike, broadcast_prefix, is_node, variable_shardings
+from .._types import PyTreeDef
 
 TRANSFORM = "jit_partial"
 

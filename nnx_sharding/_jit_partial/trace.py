@@ -18,18 +18,12 @@ import jax
 from flax import nnx
 from jax.tree_util import keystr
 
-from . import _errors
-from ._graph import Leaf, unflatten_all, value_of
-from ._graph_inner import snapshots
-from ._partial_split import _Split, is_variable
-from ._sharding import (
-    accept_flax,
-    broadcast_prefix,
-    format_path,
-    is_node,
-    variable_shardings,
-)
-from ._types import PyTreeDef
+from .. import _errors
+from .._callpath.inside import snapshots
+from .._callpath.outside import Leaf, unflatten_all, value_of
+from .._sharding import accept_flax, broadcast_prefix, format_path, is_node, variable_shardings
+from .._types import PyTreeDef
+from .split import _Split, is_variable
 
 
 @jax.tree_util.register_static

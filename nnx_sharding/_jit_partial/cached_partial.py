@@ -20,11 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _errors
-from ._graph import CallSpec
-from ._partial import JitPartialWrapped
-from ._partial_split import _split, is_variable
-from ._sharding import is_node
+from .. import _errors
+from .._callpath.outside import CallSpec
+from .._sharding import is_node
+from .jit_partial import JitPartialWrapped
+from .split import _split, is_variable
 
 MAX_CACHED = 8
 """`CachedPartials`' partials per jitted function (each holds its clones)."""

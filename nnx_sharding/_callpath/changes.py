@@ -9,9 +9,9 @@ from typing import Any, TypeAlias
 
 from flax import nnx
 
-from . import _errors
-from ._graph import CallPlan
-from ._sharding import format_path, is_node
+from .. import _errors
+from .._sharding import format_path, is_node
+from .outside import CallPlan
 
 Path: TypeAlias = tuple[Any, ...]
 

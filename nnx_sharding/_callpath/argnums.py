@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from . import _errors
+from .. import _errors
 
 
 def _as_tuple(x: int | str | Iterable[Any] | None) -> tuple[Any, ...]:

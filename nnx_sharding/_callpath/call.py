@@ -15,18 +15,11 @@ import jax
 from flax import nnx
 from jax.core import Tracer
 
-from ._boundary import call_flat, check_writable
-from ._cache import CacheKey, Entry, PlanState, fast_call, remember
-from ._graph import (
-    TAG,
-    CallPlan,
-    CallSpec,
-    merge_abstract,
-    merge_call,
-    split_call,
-)
-from ._sharding import mismatched_shardings
-from ._stages import Lowered, PlanBinding, Traced
+from .._fastpath.cache import CacheKey, Entry, PlanState, fast_call, remember
+from .._sharding import mismatched_shardings
+from .._stages import Lowered, PlanBinding, Traced
+from .boundary import call_flat, check_writable
+from .outside import TAG, CallPlan, CallSpec, merge_abstract, merge_call, split_call
 
 P = ParamSpec("P")
 R = TypeVar("R")

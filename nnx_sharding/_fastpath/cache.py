@@ -28,9 +28,8 @@ import numpy as np
 from flax import nnx
 from jax.extend.core import get_opaque_trace_state
 
-from . import _slots
-from ._boundary import host_callbacks
-from ._graph import (
+from .._callpath.boundary import host_callbacks
+from .._callpath.outside import (
     FAST_CALL,
     CallPlan,
     CallSpec,
@@ -41,9 +40,10 @@ from ._graph import (
     partition_args,
     split_call,
 )
-from ._pointers import same_objects
-from ._sharding import is_node
-from ._snapshot import Snapshot, Uncacheable
+from .._sharding import is_node
+from . import slots as _slots
+from .pointers import same_objects
+from .snapshot import Snapshot, Uncacheable
 
 MAX_ENTRIES = 64
 """Cached splits per transform; an entry also goes when one of its modules dies."""

@@ -29,8 +29,8 @@ from flax import nnx
 from flax.errors import TraceContextError
 from jax.tree_util import keystr
 
-from . import _errors
-from ._sharding import StateSharding
+from .. import _errors
+from .._sharding import StateSharding
 
 KeyPath: TypeAlias = tuple[Any, ...]
 """A ``jax.tree_util`` key path."""
