@@ -21,10 +21,10 @@ from ._jit_partial.jit_partial import jit_partial as jit_partial
 from ._metadata import shard as shard
 from ._shard_map import ShardMapFn as ShardMapFn
 from ._shard_map import shard_map as shard_map
-from ._sharding import StateSharding as StateSharding
 from ._stages import Compiled as Compiled
 from ._stages import Lowered as Lowered
 from ._stages import Traced as Traced
+from ._state_sharding import StateSharding
 from ._table import ShardingTable as ShardingTable
 from ._table import sharding_table as sharding_table
 from ._table import visualize_sharding as visualize_sharding

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 from jax.sharding import Sharding
 
-from ._sharding import is_node
+from ._nodes import is_node
 
 ShardingTree: TypeAlias = Any
 """The inspected tree with each array replaced by its `Sharding` (graph nodes as

@@ -11,16 +11,14 @@ import jax
 from flax import nnx
 
 from . import _errors
-from ._callpath.argnums import _shift as _shift
-from ._callpath.argnums import check_argnums as check_argnums
-from ._callpath.argnums import check_overlap as check_overlap
-from ._callpath.argnums import resolve_argnums as resolve_argnums
+from ._callpath.argnums import check_argnums, check_overlap, resolve_argnums, shift_argnums
 from ._callpath.call import CachedCall, PartialRun
 from ._callpath.jit_body import make_inner
 from ._callpath.outside import CallPlan, CallSpec, partition_args
 from ._callpath.simple import SimpleCall, check_prefix, resolve_mode, unique_leaves
 from ._jit_partial.cached_partial import CachedPartials, partial_of_jit
-from ._sharding import accept_flax, is_node, prefixes
+from ._nodes import is_node
+from ._sharding import accept_flax, prefixes
 from ._stages import Lowered, Traced
 from ._types import Device
 
@@ -58,7 +56,10 @@ class JitWrapped(CachedCall[P, R]):
         owner = fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
         if owner is not None:  # a bound method of a graph node: the node is args[0]
             fun = fun.__func__  # type: ignore[attr-defined]
-            static_argnums, donate_argnums = _shift(static_argnums), _shift(donate_argnums)
+            static_argnums, donate_argnums = (
+                shift_argnums(static_argnums),
+                shift_argnums(donate_argnums),
+            )
         argnums = dict(
             static_argnums=static_argnums,
             static_argnames=static_argnames,

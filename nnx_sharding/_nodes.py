@@ -14,7 +14,7 @@ from jax.core import Tracer
 Path: TypeAlias = tuple[Any, ...]
 """An nnx path: the attribute names and indices from a graph node down to a Variable."""
 
-_NOT_NODES: set[type] = {tuple, list, dict, int, float, bool, complex, str, bytes, type(None)}
+NOT_NODES: set[type] = {tuple, list, dict, int, float, bool, complex, str, bytes, type(None)}
 """Types whose instances are never graph nodes; concrete array types join on first sight."""
 
 
@@ -25,12 +25,12 @@ def is_node(x: Any) -> bool:
     ref); `jit` asks it of every argument on every call.
     """
     kind = type(x)
-    if kind in _NOT_NODES:
+    if kind in NOT_NODES:
         return False
     if nnx_graph.is_graph_node(x):
         return True
     if isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, Tracer):
-        _NOT_NODES.add(kind)  # a concrete array is never a ref: only tracers vary
+        NOT_NODES.add(kind)  # a concrete array is never a ref: only tracers vary
     return False
 
 

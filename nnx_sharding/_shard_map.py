@@ -21,7 +21,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence, Set
-from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
@@ -39,6 +39,7 @@ from ._callpath.inside import (
 )
 from ._callpath.outside import CallPlan, CallSpec, Leaf, checked_on_fast_calls, value_of
 from ._callpath.simple import SimpleCall, check_prefix, resolve_mode, unique_leaves
+from ._nodes import is_node
 from ._shard_map_layout import (
     AxisName,
     Flat,
@@ -52,12 +53,12 @@ from ._shard_map_layout import (
     misplaced,
     spec_of,
 )
-from ._sharding import StateSharding, is_node, is_prefix_leaf, prefixes
+from ._sharding import is_prefix_leaf, prefixes
 from ._stages import Lowered, Traced
+from ._state_sharding import StateSharding
 
 P = ParamSpec("P")
 R = TypeVar("R")
-Path: TypeAlias = tuple[Any, ...]
 
 
 class ShardMapFn(CachedCall[P, R]):

@@ -22,7 +22,10 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from . import _errors
 from ._callpath.inside import InnerSplit
 from ._callpath.outside import CallPlan, Leaf, unflatten_all, value_of
-from ._sharding import FromState, ShardingLike, StateSharding, format_path, is_node, is_prefix_leaf
+from ._nodes import format_path, is_node
+from ._sharding import FromState, is_prefix_leaf
+from ._state_sharding import StateSharding
+from ._types import ShardingLike
 
 Specs: TypeAlias = Any
 """A pytree prefix of PartitionSpecs, `StateSharding`s and Nones (None: replicated)."""

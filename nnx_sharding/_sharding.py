@@ -19,17 +19,9 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Shard
 from jax.tree_util import SequenceKey, keystr
 
 from . import _errors
-from ._nodes import _NOT_NODES as _NOT_NODES
-from ._nodes import alias_paths
-from ._nodes import format_path as format_path
-from ._nodes import is_node as is_node
-from ._state_sharding import AtPath as AtPath
-from ._state_sharding import Filter as Filter
-from ._state_sharding import Path as Path
-from ._state_sharding import ShardingLike as ShardingLike
-from ._state_sharding import StateSharding as StateSharding
-from ._state_sharding import from_flax as from_flax
-from ._state_sharding import is_sharding_like
+from ._nodes import alias_paths, format_path, is_node
+from ._state_sharding import StateSharding, from_flax, is_sharding_like
+from ._types import ShardingLike
 
 
 def is_prefix_leaf(x: Any) -> bool:

@@ -11,9 +11,8 @@ from jax.sharding import PartitionSpec, Sharding
 
 from . import _errors
 from ._logical import Rules, metadata_pairs
-from ._nodes import Path as Path
-from ._nodes import format_path as format_path
-from ._types import ShardingLike as ShardingLike
+from ._nodes import Path, format_path
+from ._types import ShardingLike
 
 Filter: TypeAlias = Any
 """An nnx filter: a Variable type, a tag string, a predicate ``(path, value) -> bool``, ..."""

@@ -22,7 +22,8 @@ from rich.text import Text
 from . import _errors
 from ._logical import axis_names
 from ._metadata import abstract, placement
-from ._sharding import Path, ShardingLike, format_path, is_node
+from ._nodes import Path, format_path, is_node
+from ._types import ShardingLike
 
 DeviceKey: TypeAlias = int
 """A device id; for an abstract mesh without devices in context, a position in the mesh."""

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from nnx_sharding._cli.aot import _size, aot_main, aot_report
 
 import nnx_sharding
+from nnx_sharding._cli.aot import _size, aot_main, aot_report
 from nnx_sharding.plan._decoder import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent

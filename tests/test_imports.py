@@ -81,3 +81,69 @@ def test_a_cycle_is_found(tmp_path: Path) -> None:
         "nnx_sharding._errors": set(),
     }
     assert cycles(graph) == [["nnx_sharding._a", "nnx_sharding._b", "nnx_sharding._a"]]
+
+
+def imported_names(package: Path = PACKAGE) -> list[tuple[str, int, str, str]]:
+    """Every ``from <module of the package> import name`` of a name (not a module):
+    (importing module, line, source module, name)."""
+    modules = {_name(p, package): p for p in package.rglob("*.py")}
+    out = []
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            if base not in modules:
+                continue
+            for alias in node.names:
+                if f"{base}.{alias.name}" not in modules:
+                    out.append((name, node.lineno, base, alias.name))
+    return out
+
+
+def defined_names(path: Path) -> set[str]:
+    """The names a module defines at its top level (not those it imports)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try)):  # names defined under a version test
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(sub.name)
+                elif isinstance(sub, ast.Assign):
+                    for target in sub.targets:
+                        names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_no_private_name_crosses_modules() -> None:
+    """What a sibling needs is a name without the underscore in the module that owns it."""
+    crossing = [
+        f"{module}:{line} imports {name} from {source}"
+        for module, line, source, name in imported_names()
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert crossing == []
+
+
+def test_each_name_comes_from_its_defining_module() -> None:
+    """``from .x import y`` only where ``x`` defines ``y`` (the package's ``__init__``
+    files, which re-export the public surface, are the exception)."""
+    paths = {_name(p, PACKAGE): p for p in PACKAGE.rglob("*.py")}
+    relayed = [
+        f"{module}:{line} imports {name} from {source}, which does not define it"
+        for module, line, source, name in imported_names()
+        if name != "*"
+        and paths[source].name != "__init__.py"
+        and name not in defined_names(paths[source])
+    ]
+    assert relayed == []

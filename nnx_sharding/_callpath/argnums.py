@@ -15,7 +15,7 @@ def _as_tuple(x: int | str | Iterable[Any] | None) -> tuple[Any, ...]:
     return (x,) if isinstance(x, (int, str)) else tuple(x)
 
 
-def _shift(argnums: int | Sequence[int] | None) -> tuple[int, ...]:
+def shift_argnums(argnums: int | Sequence[int] | None) -> tuple[int, ...]:
     """A bound method's argnums as positions of its function, ``self`` first."""
     return tuple(n + 1 if n >= 0 else n for n in _as_tuple(argnums))
 

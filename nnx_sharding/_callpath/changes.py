@@ -5,15 +5,13 @@ those of a call (by path, type and value)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
 from flax import nnx
 
 from .. import _errors
-from .._sharding import format_path, is_node
+from .._nodes import Path, format_path, is_node
 from .outside import CallPlan
-
-Path: TypeAlias = tuple[Any, ...]
 
 
 def graph_objects(plan: CallPlan, call_leaves: Sequence[Any]) -> dict[tuple[str, Path], Any]:

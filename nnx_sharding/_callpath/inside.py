@@ -17,7 +17,8 @@ from flax import nnx
 from jax.tree_util import keystr
 
 from .._fastpath.snapshot import Structure, Uncacheable
-from .._sharding import broadcast_prefix, check_leaf_entries, is_node
+from .._nodes import is_node
+from .._sharding import broadcast_prefix, check_leaf_entries
 from .._types import PyTreeDef
 from .outside import TAG, CallPlan, GraphDef, Leaf, OutPlan, unflatten_all
 

@@ -16,15 +16,10 @@ import jax
 from flax import nnx
 
 from .. import _errors
-from .._sharding import (
-    ShardingLike,
-    StateSharding,
-    broadcast_prefix,
-    format_path,
-    incompatible_shardings,
-    is_node,
-    variable_shardings,
-)
+from .._nodes import format_path, is_node
+from .._sharding import broadcast_prefix, incompatible_shardings, variable_shardings
+from .._state_sharding import StateSharding
+from .._types import ShardingLike
 from .inside import InnerSplit, changed_inputs, merge_inputs, snapshots, split_inner
 from .outside import CallPlan, Leaf, checked_on_fast_calls, chunks, value_of
 

@@ -31,15 +31,9 @@ from flax import nnx
 from jax.tree_util import DictKey, SequenceKey, keystr
 
 from .. import _errors
-from .._sharding import (
-    ShardingLike,
-    broadcast_prefix,
-    check_leaf_entries,
-    format_path,
-    is_node,
-    variable_shardings,
-)
-from .._types import PyTreeDef
+from .._nodes import format_path, is_node
+from .._sharding import broadcast_prefix, check_leaf_entries, variable_shardings
+from .._types import PyTreeDef, ShardingLike
 
 TAG = "nnx_sharding"
 Leaf: TypeAlias = Any

@@ -30,7 +30,7 @@ from flax.errors import TraceContextError
 from jax.tree_util import keystr
 
 from .. import _errors
-from .._sharding import StateSharding
+from .._state_sharding import StateSharding
 
 KeyPath: TypeAlias = tuple[Any, ...]
 """A ``jax.tree_util`` key path."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import _a, format_message
+from ._layout import format_message, with_article
 
 
 def _listing(names: Sequence[str], at_most: int = 8) -> str:
@@ -190,7 +190,7 @@ def bad_step(transform: str, step: object) -> str:
     return format_message(
         transform,
         "step",
-        [f"got {step!r} ({_a(type(step).__name__)})"],
+        [f"got {step!r} ({with_article(type(step).__name__)})"],
         "Rule: a step is an int >= 0 (the Manager names its directories after it).",
         ["pass the training step, e.g. `int(optimizer.step[...])`."],
     )
@@ -331,12 +331,13 @@ def mixed_target(
 
 def not_a_node_problem(where: str, type_name: str) -> str:
     """A problem for `not_savable`: a pytree leaf of the tree that is not a graph node."""
-    return f"{where} is {_a(type_name)}, not a graph node"
+    return f"{where} is {with_article(type_name)}, not a graph node"
 
 
 def bare_variable_problem(where: str, type_name: str) -> str:
     """A problem for `not_savable`: a Variable given as the whole tree."""
-    return f"{where} is {_a(type_name)} alone: a Variable is saved by its path in a graph node"
+    alone = f"{where} is {with_article(type_name)} alone"
+    return f"{alone}: a Variable is saved by its path in a graph node"
 
 
 def no_variables_problem(argument: str) -> str:
@@ -347,7 +348,7 @@ def no_variables_problem(argument: str) -> str:
 def array_outside_variable_problem(where: str, type_name: str) -> str:
     """A problem for `not_savable`: an array held by a graph node outside any Variable."""
     return (
-        f"{where} is {_a(type_name)} held outside a Variable (`nnx.data`); checkpoints "
+        f"{where} is {with_article(type_name)} held outside a Variable (`nnx.data`); checkpoints "
         "hold Variables: wrap it, e.g. `nnx.Variable(value)`, or leave it out of the tree"
     )
 
@@ -376,14 +377,14 @@ def value_problem(kind: str, var_type: str, where: str, value_type: str = "") ->
             "tracer": "is a tracer: checkpoints are written and read outside jit",
             "deleted": "has been deleted (donated to a jitted call?)",
             "ref": "is a `ref=True` Variable (its value is a jax Ref)",
-            "other": f"holds {_a(value_type)}, not an array",
+            "other": f"holds {with_article(value_type)}, not an array",
         }[kind]
     )
 
 
 def describe_variable(type_name: str, shape: Sequence[int], dtype: str) -> str:
     """``a Param of shape (2, 3) float32``, for `mismatch_detail`."""
-    return f"{_a(type_name)} of shape {tuple(shape)} {dtype}"
+    return f"{with_article(type_name)} of shape {tuple(shape)} {dtype}"
 
 
 def empty_checkpoint_path(transform: str, text: str) -> str:
@@ -471,7 +472,7 @@ def variable_types_differ(transform: str, directory: str, problems: Sequence[str
 
 def type_detail(path: str, here: str, there: str) -> str:
     """One problem for `variable_types_differ`."""
-    return f"{path}: {_a(here)} in the target, {_a(there)} in the checkpoint"
+    return f"{path}: {with_article(here)} in the target, {with_article(there)} in the checkpoint"
 
 
 def damaged_checkpoint(transform: str, directory: str, paths: Sequence[str], cause: str) -> str:

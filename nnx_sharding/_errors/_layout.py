@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def _a(name: str) -> str:
+def with_article(name: str) -> str:
     """``name`` with its indefinite article: ``an int``, ``a str``."""
     return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 

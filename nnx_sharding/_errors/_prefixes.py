@@ -7,7 +7,7 @@ from typing import Any
 
 from flax import nnx
 
-from ._layout import _a, format_message
+from ._layout import format_message, with_article
 
 
 def node_in_prefix(transform: str, argument: str, path: str, node: object) -> str:
@@ -39,7 +39,7 @@ def state_sharding_at_leaf(transform: str, argument: str, path: str, type_name: 
     return format_message(
         transform,
         argument,
-        [f"a StateSharding stands at {path}, where the argument is {_a(type_name)}"],
+        [f"a StateSharding stands at {path}, where the argument is {with_article(type_name)}"],
         "Rule: a StateSharding applies only at the position of a graph node (Module, "
         "Variable, Rngs, Optimizer, nnx.List/nnx.Dict).",
         [
@@ -56,7 +56,7 @@ def prefix_mismatch(where: str, prefix: object, tree: object, tree_name: str) ->
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             return f"an array of shape {tuple(x.shape)}"
         n = f" of {len(x)} entries" if isinstance(x, (tuple, list, dict)) else ""
-        return _a(type(x).__name__) + n
+        return with_article(type(x).__name__) + n
 
     verb = "have" if tree_name.endswith("s") else "has"
     return f"at {where} it has {describe(prefix)} where the {tree_name} {verb} {describe(tree)}"
@@ -114,7 +114,7 @@ def bad_prefix_entry(transform: str, argument: str, where: str, type_name: str) 
     return format_message(
         transform,
         argument,
-        [f"found {_a(type_name)} at {where}"],
+        [f"found {with_article(type_name)} at {where}"],
         "Rule: each entry is a Sharding, a PartitionSpec, a StateSharding or None.",
         ["wrap mesh axis names in PartitionSpec, e.g. `P('data')`."],
         flax=f"{argument} argument must be a pytree of `jax.sharding.PartitionSpec` instances"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import _a, format_message
+from ._layout import format_message, with_article
 
 # Metadata, tables and inspection (issue 5) -----------------------------------------------------
 
@@ -133,7 +133,7 @@ def rules_without_metadata(transform: str, type_name: str) -> str:
     return format_message(
         transform,
         "rules",
-        [f"rules were given with shardings that are {_a(type_name)}"],
+        [f"rules were given with shardings that are {with_article(type_name)}"],
         "Rule: rules map the logical axis names of Variable metadata to mesh axes; they "
         "apply only when the shardings come from metadata (shardings is a Mesh or None).",
         [
@@ -147,7 +147,7 @@ def bad_placement(transform: str, type_name: str) -> str:
     return format_message(
         transform,
         "shardings",
-        [f"found {_a(type_name)}"],
+        [f"found {with_article(type_name)}"],
         "Rule: shardings is a StateSharding, a jax.sharding.Sharding, a PartitionSpec, a "
         "Mesh (place by metadata) or None (metadata, on the mesh set with `jax.set_mesh`).",
         [
@@ -294,7 +294,7 @@ def export_structure_mismatch(
 
 def export_wrong_kind(where: str, expected: str, type_name: str) -> str:
     """A problem for `export_bad_arguments`: a value of the wrong kind at ``where``."""
-    return f"{where}: expected {expected}, got {_a(type_name)}"
+    return f"{where}: expected {expected}, got {with_article(type_name)}"
 
 
 def export_not_arrays(transform: str, problems: Sequence[tuple[str, str]]) -> str:
@@ -302,7 +302,7 @@ def export_not_arrays(transform: str, problems: Sequence[tuple[str, str]]) -> st
     return format_message(
         transform,
         "arguments",
-        [f"{where}: {_a(t)} is not an array" for where, t in problems],
+        [f"{where}: {with_article(t)} is not an array" for where, t in problems],
         "Rule: an exported program takes arrays (or jax.ShapeDtypeStructs), in the "
         "arguments and in the Variables of their graph nodes; other values must be static.",
         [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ._layout import _a, format_message
+from ._layout import format_message, with_article
 
 
 def no_filter_matched(
@@ -59,7 +59,8 @@ def bad_state_sharding_spec(problem: str) -> str:
 
 def spec_not_pairs(type_name: str) -> str:
     return bad_state_sharding_spec(
-        f"found {_a(type_name)}, which is not a mapping, an nnx.State or an iterable of pairs"
+        f"found {with_article(type_name)}, which is not a mapping, an nnx.State or an "
+        "iterable of pairs"
     )
 
 
@@ -72,7 +73,7 @@ def bad_filter(filter_: object, error: BaseException) -> str:
         "StateSharding",
         "spec",
         [
-            f"the filter {filter_!r} ({_a(type(filter_).__name__)}) is not an nnx filter "
+            f"the filter {filter_!r} ({with_article(type(filter_).__name__)}) is not an nnx filter "
             f"({type(error).__name__}: {error})"
         ],
         _SPEC_RULE,
@@ -94,7 +95,7 @@ def spec_value_not_a_sharding(filter_: object, value: object) -> str:
     return format_message(
         "StateSharding",
         "spec",
-        [f"the value for filter {filter_!r} is {_a(type(value).__name__)}"],
+        [f"the value for filter {filter_!r} is {with_article(type(value).__name__)}"],
         "Rule: each value is a jax.sharding.Sharding, a PartitionSpec or None.",
         [f"wrap mesh axis names in PartitionSpec, e.g. `{wrapped}`."],
     )
@@ -259,7 +260,7 @@ def not_callable(
     return format_message(
         transform,
         "fun",
-        [f"expected a callable, got {fun!r} ({_a(type(fun).__name__)})"],
+        [f"expected a callable, got {fun!r} ({with_article(type(fun).__name__)})"],
         f"Rule: {transform} wraps a function (or any callable), as {like or 'jax.' + transform} "
         "does.",
         fixes,
@@ -278,9 +279,10 @@ def compiled_difference(path: str, kind: str, here: object = None, there: object
     the program was compiled for. ``kind``: added, removed, type, value or shared; ``here``
     and ``there``: what the call and the program have (type names; values for value)."""
     return {
-        "added": f"{path}: not in the compiled program (here: {_a(str(here))})",
-        "removed": f"{path}: missing (the compiled program has {_a(str(there))} there)",
-        "type": f"{path}: {_a(str(here))} here, {_a(str(there))} in the compiled program",
+        "added": f"{path}: not in the compiled program (here: {with_article(str(here))})",
+        "removed": f"{path}: missing (the compiled program has {with_article(str(there))} there)",
+        "type": f"{path}: {with_article(str(here))} here, "
+        f"{with_article(str(there))} in the compiled program",
         "value": f"{path}: {here!r} here, {there!r} in the compiled program",
         "shared": f"{path}: {here} here, {there} in the compiled program",
     }[kind]
@@ -308,7 +310,7 @@ def structure_mismatch(transform: str, differences: Sequence[str], types: bool =
 def graph_change(kind: str, path: str, type_name: str = "") -> str:
     """One change for `structure_changed`: ``kind`` is added, removed, replaced or changed."""
     what = {
-        "added": f"added {_a(type_name)} at {path}" if type_name else f"added {path}",
+        "added": f"added {with_article(type_name)} at {path}" if type_name else f"added {path}",
         "removed": f"removed the {type_name} at {path}" if type_name else f"removed {path}",
         "replaced": f"replaced the {type_name} at {path} by another object",
         "changed": f"changed the attribute {path}",

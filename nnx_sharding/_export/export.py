@@ -36,7 +36,7 @@ from .._callpath.outside import (
     unflatten_all,
 )
 from .._jit import JitWrapped
-from .._sharding import format_path, is_node
+from .._nodes import format_path, is_node
 from .._stages import arrange
 from .program import Exported, flat_state, is_state, nested_state
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from typing import Any, TypeAlias
+from typing import Any
 
 import jax
 from flax import nnx
@@ -20,11 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import _errors
 from .._callpath.outside import Leaf
-from .._sharding import format_path, is_node
+from .._nodes import Path, format_path, is_node
 from .._types import HloSharding, PyTreeDef
-
-Path: TypeAlias = tuple[Any, ...]
-
 
 # --- nnx.State in in_tree/out_tree: jax.export serializes it by its keys -----------------------
 

@@ -40,7 +40,7 @@ from .._callpath.outside import (
     partition_args,
     split_call,
 )
-from .._sharding import is_node
+from .._nodes import is_node
 from . import slots as _slots
 from .pointers import same_objects
 from .snapshot import Snapshot, Uncacheable

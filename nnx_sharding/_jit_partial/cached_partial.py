@@ -22,9 +22,9 @@ import numpy as np
 
 from .. import _errors
 from .._callpath.outside import CallSpec
-from .._sharding import is_node
+from .._nodes import is_node
 from .jit_partial import JitPartialWrapped
-from .split import _split, is_variable
+from .split import is_variable, split_partial
 
 MAX_CACHED = 8
 """`CachedPartials`' partials per jitted function (each holds its clones)."""
@@ -103,7 +103,7 @@ def partial_of_jit(
       TypeError: a clone holds an array outside a Variable, which neither path can
         write back (flax fails on it too).
     """
-    split = _split(clones, None, "args")
+    split = split_partial(clones, None, "args")
     if split.constants:
         sites = [s for x, s in zip(split.items, split.sites, strict=True) if not is_variable(x)]
         raise TypeError(_errors.cached_partial_arrays([str(s) for s in sites]))

@@ -29,8 +29,8 @@ from .._fastpath import slots as _slots
 from .._fastpath.cache import trace_state
 from .._sharding import accept_flax, incompatible_shardings, mismatched_shardings
 from .._types import Device
-from .split import TRANSFORM, _check_tree_aliases, _split, is_variable
-from .trace import _make_inner, _rebuild, _Result
+from .split import TRANSFORM, check_tree_aliases, is_variable, split_partial
+from .trace import Result, make_inner, rebuild_output
 
 R = TypeVar("R")
 
@@ -124,8 +124,8 @@ class JitPartialWrapped(Generic[R]):
         else:
             partial_prefix, runtime = None, in_shardings
         if not self.graph:
-            _check_tree_aliases(partial_args)
-        split = _split(partial_args, partial_prefix, argument)
+            check_tree_aliases(partial_args)
+        split = split_partial(partial_args, partial_prefix, argument)
         if bad := [
             str(s)
             for x, s in zip(split.items, split.sites, strict=True)
@@ -137,8 +137,8 @@ class JitPartialWrapped(Generic[R]):
         self._constants = split.constants
         self._read = _slots.value_reader()
         self._trace: Any = None  # the trace level where writing was last checked allowed
-        # per trace (by id of its _Result, which it keeps alive): `_learn`'s answer
-        self._traces: dict[int, tuple[_Result, Callable[[Sequence[Leaf]], None], bool]] = {}
+        # per trace (by id of its Result, which it keeps alive): `_learn`'s answer
+        self._traces: dict[int, tuple[Result, Callable[[Sequence[Leaf]], None], bool]] = {}
         if 0 in _as_tuple(static_argnums):
             raise ValueError(_errors.partial_static(n))
         n_values = len(self._variables) + len(self._constants)
@@ -162,7 +162,7 @@ class JitPartialWrapped(Generic[R]):
                 options["in_shardings"] = (*shardings, *runtime)
         elif in_shardings is not None:
             options["in_shardings"] = in_shardings
-        inner = _make_inner(
+        inner = make_inner(
             fun, split, self.graph, donated, out_shardings, keep_structure, transform, argument
         )
 
@@ -184,7 +184,7 @@ class JitPartialWrapped(Generic[R]):
         except ValueError as e:
             self._explain(e)
             raise
-        known = self._traces.get(id(result))  # one _Result a trace: known after its first call
+        known = self._traces.get(id(result))  # one Result a trace: known after its first call
         if known is None:
             known = self._traces[id(result)] = self._learn(result, args, kwargs)
         _, write, waits = known
@@ -196,7 +196,7 @@ class JitPartialWrapped(Generic[R]):
         write(written)
         if result.out_graphdefs is None:  # no graph node in the output
             return jax.tree_util.tree_unflatten(result.out_treedef, payload)
-        return _rebuild(result, payload, self._split.leaves)
+        return rebuild_output(result, payload, self._split.leaves)
 
     def _values(self) -> list[Leaf]:
         """The partial values of a call: the Variables' current values, then the constants."""
@@ -228,8 +228,8 @@ class JitPartialWrapped(Generic[R]):
         check_writable(self._transform, self._variables, sites)
 
     def _learn(
-        self, result: _Result, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_Result, Callable[[Sequence[Leaf]], None], bool]:
+        self, result: Result, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Result, Callable[[Sequence[Leaf]], None], bool]:
         """What a trace's calls need: the writer of its written Variables, and whether
         its program calls back into Python (then a call waits for it)."""
         jaxpr = self._jitted.trace(*self._values(), *args, **kwargs).jaxpr
@@ -244,7 +244,7 @@ class JitPartialWrapped(Generic[R]):
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The abstract output of a call; writes nothing back."""
         result, _, payload = self._jitted.eval_shape(*self._values(), *args, **kwargs)
-        return _rebuild(result, payload, self._split.leaves)
+        return rebuild_output(result, payload, self._split.leaves)
 
 
 def _as_tuple(x: Any) -> tuple[Any, ...]:

@@ -1,9 +1,9 @@
-"""The partial arguments of `jit_partial`, split once when it is made (`_Split`).
+"""The partial arguments of `jit_partial`, split once when it is made (`PartialSplit`).
 
 Graph nodes are split together, so a Variable shared between them stays one; each
 flat leaf (a Variable, or a constant array) keeps its site and its in_sharding, and a
 call's partial list is its Variables' values, then the constants. In tree mode
-(``graph=False``) `_check_tree_aliases` refuses a Variable reached by two paths.
+(``graph=False``) `check_tree_aliases` refuses a Variable reached by two paths.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from jax.tree_util import keystr
 
 from .. import _errors
 from .._callpath.outside import Leaf, Site
-from .._sharding import ShardingLike, broadcast_prefix, is_node, variable_shardings
-from .._types import PyTreeDef
+from .._nodes import is_node
+from .._sharding import broadcast_prefix, variable_shardings
+from .._types import PyTreeDef, ShardingLike
 
 TRANSFORM = "jit_partial"
 
@@ -28,7 +29,7 @@ def is_variable(x: Any) -> bool:
 
 
 @dataclasses.dataclass
-class _Split:
+class PartialSplit:
     """The partial arguments, split once: graph definitions, Variables and constants."""
 
     treedef: PyTreeDef  # of the partial arguments, graph nodes as leaves
@@ -64,7 +65,7 @@ class _Split:
         return by_index
 
 
-def _split(partial_args: tuple[Any, ...], prefix: Any, name: str) -> _Split:
+def split_partial(partial_args: tuple[Any, ...], prefix: Any, name: str) -> PartialSplit:
     """Splits the partial arguments (graph nodes together: shared Variables stay one);
     ``name``: what they are called in messages."""
     keyed, treedef = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=is_node)
@@ -97,10 +98,12 @@ def _split(partial_args: tuple[Any, ...], prefix: Any, name: str) -> _Split:
                 items.append(leaf)
                 sites.append(Site(where, None))
                 shardings.append(entry)
-    return _Split(treedef, leaves, wheres, tuple(graphdefs), tuple(sizes), items, sites, shardings)
+    return PartialSplit(
+        treedef, leaves, wheres, tuple(graphdefs), tuple(sizes), items, sites, shardings
+    )
 
 
-def _check_tree_aliases(partial_args: tuple[Any, ...]) -> None:
+def check_tree_aliases(partial_args: tuple[Any, ...]) -> None:
     """Tree mode: no Variable may be reached through two paths (flax's rule)."""
     paths: dict[int, list[str]] = {}
     kinds: dict[int, str] = {}

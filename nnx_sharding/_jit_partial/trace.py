@@ -1,10 +1,10 @@
 """The program `jit_partial` has jax trace, and the output rebuilt from its result.
 
-`_make_inner` merges the partial arguments (split once, `_partial_split`) from the
+`make_inner` merges the partial arguments (split once, `_partial_split`) from the
 values of the call, runs the function, and returns the Variables' values it changed
 (pinned to their in_shardings) with the output split into leaves; `_split_output`
 refuses an output that holds a partial argument's Variable (other than the argument
-itself). `_rebuild` turns the static `_Result` and the output leaves back into the
+itself). `rebuild_output` turns the static `Result` and the output leaves back into the
 output, outside the program.
 """
 
@@ -21,14 +21,15 @@ from jax.tree_util import keystr
 from .. import _errors
 from .._callpath.inside import snapshots
 from .._callpath.outside import Leaf, unflatten_all, value_of
-from .._sharding import accept_flax, broadcast_prefix, format_path, is_node, variable_shardings
+from .._nodes import format_path, is_node
+from .._sharding import accept_flax, broadcast_prefix, variable_shardings
 from .._types import PyTreeDef
-from .split import _Split, is_variable
+from .split import PartialSplit, is_variable
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
-class _Result:
+class Result:
     """The static half of a traced call: what to write back, how to rebuild the output."""
 
     written: tuple[int, ...]  # indices of the partial Variables the program returns
@@ -41,7 +42,7 @@ class _Result:
     out_sources: tuple[int | None, ...] | None
 
 
-def _rebuild(result: _Result, payload: Sequence[Leaf], nodes: Sequence[Any]) -> Any:
+def rebuild_output(result: Result, payload: Sequence[Leaf], nodes: Sequence[Any]) -> Any:
     """The output: ``payload``'s graph nodes merged, partial argument ``nodes`` put back."""
     if result.out_graphdefs is None:
         return jax.tree_util.tree_unflatten(result.out_treedef, payload)
@@ -59,9 +60,9 @@ def _rebuild(result: _Result, payload: Sequence[Leaf], nodes: Sequence[Any]) -> 
     return jax.tree_util.tree_unflatten(result.out_treedef, leaves)
 
 
-def _make_inner(
+def make_inner(
     fun: Callable[..., Any],
-    split: _Split,
+    split: PartialSplit,
     graph: bool,
     donated: bool,
     out_shardings: Any,
@@ -69,7 +70,7 @@ def _make_inner(
     transform: str,
     argument: str,
 ) -> Callable[..., Any]:
-    """The function jax traces: ``(partial list, *args, **kwargs) -> (_Result, written,
+    """The function jax traces: ``(partial list, *args, **kwargs) -> (Result, written,
     output leaves)``. ``keep_structure``: None to drop a structure change the function
     makes to a partial argument (flax's jit_partial), else the rule for the error
     raised on one."""
@@ -77,7 +78,7 @@ def _make_inner(
     variable_index = [i for i, x in enumerate(split.items) if is_variable(x)]
     out_prefix = accept_flax(out_shardings)
 
-    def inner(partial: list[Leaf], *args: Any, **kwargs: Any) -> tuple[_Result, list, list]:
+    def inner(partial: list[Leaf], *args: Any, **kwargs: Any) -> tuple[Result, list, list]:
         keyed = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_variable)[0]
         if wrong := [_runtime_where(kp) for kp, x in keyed if is_variable(x)]:
             raise ValueError(_errors.partial_runtime_variable(wrong))
@@ -134,8 +135,8 @@ def _split_output(
     graph: bool,
     prefix: Any,
     transform: str,
-) -> tuple[_Result, list[Leaf]]:
-    """The output as flat leaves (graph nodes split together) and its `_Result`.
+) -> tuple[Result, list[Leaf]]:
+    """The output as flat leaves (graph nodes split together) and its `Result`.
 
     An output that is a partial argument's graph node (``nodes``) comes back as that
     very object; any other output holding one of its Variables is an error."""
@@ -193,8 +194,8 @@ def _split_output(
         raise ValueError(_errors.partial_output_aliases(aliased, transform))
     returned = None if all(s is None for s in sources) else tuple(sources)
     if all(g is None for g in graphdefs) and returned is None:
-        return _Result((), treedef, None, tuple(sizes), None), payload
-    return _Result((), treedef, tuple(graphdefs), tuple(sizes), returned), payload
+        return Result((), treedef, None, tuple(sizes), None), payload
+    return Result((), treedef, tuple(graphdefs), tuple(sizes), returned), payload
 
 
 def _runtime_where(keypath: tuple[Any, ...]) -> str:

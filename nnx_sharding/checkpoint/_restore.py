@@ -19,7 +19,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from .. import _errors
-from .._state_sharding import Filter, Path
+from .._nodes import Path
+from .._state_sharding import Filter
 from . import _integrity
 from ._io import DirectorySource, PathLike, Source
 from ._shardings import Shardings, resolve

@@ -19,16 +19,15 @@ from jax.tree_util import keystr
 
 from .. import _errors
 from .._metadata import abstract, concrete, placement
+from .._nodes import Path, is_node
 from .._sharding import (
-    ShardingLike,
     broadcast_prefix,
     check_leaf_entries,
     incompatible_shardings,
-    is_node,
     prefixes,
     variable_shardings,
 )
-from .._state_sharding import Path
+from .._types import ShardingLike
 from ._state import Tree, where
 
 Shardings: TypeAlias = Any

@@ -21,8 +21,7 @@ from jax.core import Tracer
 from jax.tree_util import keystr
 
 from .. import _errors
-from .._sharding import is_node
-from .._state_sharding import Path, format_path
+from .._nodes import Path, format_path, is_node
 
 Tree: TypeAlias = Any
 """A pytree of graph nodes: a Module, ``(model, optimizer)``, a dict of them, ..."""

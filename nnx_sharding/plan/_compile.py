@@ -17,11 +17,11 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._jit import jit
-from .._sharding import StateSharding, is_node
-from .._state_sharding import AtPath
+from .._nodes import Path, is_node
+from .._state_sharding import AtPath, StateSharding
 from . import _flops, _hlo
 from ._cost import Memory, predict
-from ._layouts import Candidate, Path, data_spec, node_specs
+from ._layouts import Candidate, data_spec, node_specs
 from ._plan import Plan, bind
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._hlo import _ARRAY, _Instr, _instructions, _operands, runs
+from ._hlo import ARRAY, Instr, instructions, operand_names, runs
 
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 
@@ -21,17 +21,17 @@ def dot_flops(text: str, *, per_iteration: bool = True) -> float:
     call, and for each ``convolution`` (the TPU compiler writes matmuls so) its
     multiply-adds as XLA counts them (`conv_flops`); a loop's once per iteration
     (``per_iteration=False``: once, as ``cost_analysis`` counts them)."""
-    instrs = list(_instructions(text))
+    instrs = list(instructions(text))
     times = runs(instrs) if per_iteration else {}
     shapes = {(i.computation, i.name): i.shape for i in instrs}
     total = 0.0
     for ins in instrs:
-        operands = _operands(ins.rest)
-        inline = _ARRAY.findall(ins.rest.split("%", 1)[0])
-        first = _ARRAY.findall(shapes.get((ins.computation, operands[0]), "")) if operands else []
+        operands = operand_names(ins.rest)
+        inline = ARRAY.findall(ins.rest.split("%", 1)[0])
+        first = ARRAY.findall(shapes.get((ins.computation, operands[0]), "")) if operands else []
         lhs = first or inline
         dims = [int(d) for d in lhs[0][1].split(",") if d] if lhs else []
-        result = _ARRAY.findall(ins.shape)
+        result = ARRAY.findall(ins.shape)
         if not (dims and result):
             continue
         out = [int(d) for d in result[0][1].split(",") if d]
@@ -43,7 +43,7 @@ def dot_flops(text: str, *, per_iteration: bool = True) -> float:
     return total
 
 
-def _contracted(ins: _Instr, lhs: list[int]) -> int:
+def _contracted(ins: Instr, lhs: list[int]) -> int:
     """The size a ``dot`` or GEMM call sums over per result element (0: neither)."""
     if ins.opcode == "dot":
         m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
@@ -57,7 +57,7 @@ def _contracted(ins: _Instr, lhs: list[int]) -> int:
     return math.prod(lhs[c] for c in axes if c < len(lhs))
 
 
-def conv_flops(ins: _Instr, lhs: list[int], out: list[int]) -> float:
+def conv_flops(ins: Instr, lhs: list[int], out: list[int]) -> float:
     """``2 ×`` the multiply-adds of a ``convolution``, as XLA's cost analysis counts
     them: per result batch and feature, the input features of its group times, in each
     spatial dimension, the (result position, window position) pairs that land on an

@@ -30,7 +30,7 @@ _DTYPE_BYTES = {
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OPCODES = {k: k for k in KINDS} | {f"{k}-start": k for k in KINDS}
@@ -60,7 +60,7 @@ class Collective:
 
 
 @dataclasses.dataclass
-class _Instr:
+class Instr:
     name: str
     shape: str
     opcode: str
@@ -71,7 +71,7 @@ class _Instr:
 def shape_bytes(shape: str) -> list[int]:
     """The bytes of each array in an HLO shape: ``f32[4,8]`` -> ``[128]``; a tuple -> each."""
     out = []
-    for dtype, dims in _ARRAY.findall(shape):
+    for dtype, dims in ARRAY.findall(shape):
         if dtype not in _DTYPE_BYTES:
             continue
         size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
@@ -79,7 +79,7 @@ def shape_bytes(shape: str) -> list[int]:
     return out
 
 
-def _instructions(text: str) -> Iterator[_Instr]:
+def instructions(text: str) -> Iterator[Instr]:
     computation = ""
     for line in text.splitlines():
         if line.rstrip().endswith("{") and "=" not in line.split("(")[0]:
@@ -88,16 +88,16 @@ def _instructions(text: str) -> Iterator[_Instr]:
             continue
         m = _INSTRUCTION.match(line)
         if m:
-            yield _Instr(m.group(1), m.group(2), m.group(3), m.group(4), computation)
+            yield Instr(m.group(1), m.group(2), m.group(3), m.group(4), computation)
 
 
-def runs(instrs: list[_Instr]) -> dict[str, int]:
+def runs(instrs: list[Instr]) -> dict[str, int]:
     """How many times each computation runs in one execution of the module: the entry
     once; a loop's body and condition its trip count (`trip_count`) times the
     computation that holds the loop; anything else called (fusions, reducers, branches)
     as often as its callers, summed over them. A computation it finds no call of has 0
     here; its users count it once."""
-    code: dict[str, list[_Instr]] = {}  # computation -> its instructions, in order
+    code: dict[str, list[Instr]] = {}  # computation -> its instructions, in order
     for ins in instrs:
         code.setdefault(ins.computation, []).append(ins)
     named = {(ins.computation, ins.name): ins for ins in instrs}
@@ -123,11 +123,11 @@ def runs(instrs: list[_Instr]) -> dict[str, int]:
     return times
 
 
-Code: TypeAlias = dict[str, list[_Instr]]
-Named: TypeAlias = dict[tuple[str, str], _Instr]
+Code: TypeAlias = dict[str, list[Instr]]
+Named: TypeAlias = dict[tuple[str, str], Instr]
 
 
-def trip_count(loop: _Instr, code: Code, named: Named) -> int:
+def trip_count(loop: Instr, code: Code, named: Named) -> int:
     """A ``while``'s iterations: the count the compiler wrote into its backend config
     (the CPU and GPU compilers), else read from the loop itself (the TPU compiler): its
     condition ``i < N`` on an integer of the loop state that starts at a constant and
@@ -142,7 +142,7 @@ def trip_count(loop: _Instr, code: Code, named: Named) -> int:
     if len(compares) != 1 or "direction=LT" not in compares[0].rest:
         return 1
     where = compares[0].computation
-    counter, bound = (named.get((where, name)) for name in _operands(compares[0].rest)[:2])
+    counter, bound = (named.get((where, name)) for name in operand_names(compares[0].rest)[:2])
     index = re.search(r"index=(\d+)", counter.rest) if counter else None
     if not (index and counter and counter.opcode == "get-tuple-element"):
         return 1
@@ -151,17 +151,19 @@ def trip_count(loop: _Instr, code: Code, named: Named) -> int:
     i = int(index.group(1))
     if not _adds_one(code.get(body.group(1), []), i, named):
         return 1
-    state = [named.get((loop.computation, name)) for name in _operands(loop.rest)[:1]]
-    fields = _operands(state[0].rest) if state and state[0] and state[0].opcode == "tuple" else []
+    state = [named.get((loop.computation, name)) for name in operand_names(loop.rest)[:1]]
+    fields = (
+        operand_names(state[0].rest) if state and state[0] and state[0].opcode == "tuple" else []
+    )
     init = named.get((loop.computation, fields[i])) if i < len(fields) else None
     while init is not None and init.opcode in ("copy", "bitcast"):  # to what it copies
-        init = named.get((loop.computation, _operands(init.rest)[0]))
+        init = named.get((loop.computation, operand_names(init.rest)[0]))
     if init is None or init.opcode != "constant":  # a start known only at run time
         return 1
     return max(_constant(bound) - _constant(init), 0)
 
 
-def _adds_one(body: list[_Instr], index: int, named: Named) -> bool:
+def _adds_one(body: list[Instr], index: int, named: Named) -> bool:
     """Whether a loop body adds the constant 1 to element ``index`` of its state (read
     through copies): the counter of a loop that steps by one."""
     counter = {
@@ -170,10 +172,10 @@ def _adds_one(body: list[_Instr], index: int, named: Named) -> bool:
         if ins.opcode == "get-tuple-element" and re.search(rf"\bindex={index}\b", ins.rest)
     }
     for ins in body:  # HLO lists operands before their users
-        if ins.opcode in ("copy", "bitcast") and set(_operands(ins.rest)) & counter:
+        if ins.opcode in ("copy", "bitcast") and set(operand_names(ins.rest)) & counter:
             counter.add(ins.name)
         if ins.opcode == "add":
-            operands = _operands(ins.rest)
+            operands = operand_names(ins.rest)
             ones = [named.get((ins.computation, op)) for op in operands if op not in counter]
             if len(operands) == 2 and len(ones) == 1 and ones[0] is not None:
                 if ones[0].opcode == "constant" and _constant(ones[0]) == 1:
@@ -181,13 +183,13 @@ def _adds_one(body: list[_Instr], index: int, named: Named) -> bool:
     return False
 
 
-def _constant(ins: _Instr) -> int:
+def _constant(ins: Instr) -> int:
     """The value of an integer scalar ``constant(N)``."""
     m = re.match(r"\s*(-?\d+)\)", ins.rest)
     return int(m.group(1)) if m else 0
 
 
-def _operands(rest: str) -> list[str]:
+def operand_names(rest: str) -> list[str]:
     """The names of an instruction's operands (``%x`` inside its parentheses)."""
     depth, end = 1, len(rest)
     for i, ch in enumerate(rest):
@@ -256,13 +258,13 @@ def collectives(text: str, devices: int) -> list[Collective]:
     a reduce-scatter (see the module's docstring); one inside a loop is listed once per
     iteration.
     """
-    instrs = list(_instructions(text))
+    instrs = list(instructions(text))
     times = runs(instrs)
-    users: dict[tuple[str, str], list[_Instr]] = {}
-    by_name: dict[tuple[str, str], _Instr] = {}
+    users: dict[tuple[str, str], list[Instr]] = {}
+    by_name: dict[tuple[str, str], Instr] = {}
     for ins in instrs:
         by_name[(ins.computation, ins.name)] = ins
-        for op in _operands(ins.rest):
+        for op in operand_names(ins.rest):
             users.setdefault((ins.computation, op), []).append(ins)
     pid = _partition_scalars(instrs)
     # computations that a fusion named all-reduce-scatter calls (the TPU compiler's form)
@@ -296,7 +298,7 @@ def collectives(text: str, devices: int) -> list[Collective]:
     return found
 
 
-def _sizes(ins: _Instr, kind: str, by_name: dict[tuple[str, str], _Instr]) -> list[int]:
+def _sizes(ins: Instr, kind: str, by_name: dict[tuple[str, str], Instr]) -> list[int]:
     """Full array bytes: the result for all-reduce and all-gather (gathered), the
     operands for reduce-scatter, all-to-all and collective-permute."""
     if kind in ("all-reduce", "all-gather"):
@@ -305,20 +307,20 @@ def _sizes(ins: _Instr, kind: str, by_name: dict[tuple[str, str], _Instr]) -> li
             # (operands, results) tuple of an async all-gather: the results half
             sizes = sizes[len(sizes) // 2 :]
         return sizes
-    operands = [by_name.get((ins.computation, op)) for op in _operands(ins.rest)]
+    operands = [by_name.get((ins.computation, op)) for op in operand_names(ins.rest)]
     sizes = [b for op in operands if op is not None for b in shape_bytes(op.shape)]
     return sizes or shape_bytes(ins.shape)
 
 
-Users: TypeAlias = dict[tuple[str, str], list[_Instr]]
+Users: TypeAlias = dict[tuple[str, str], list[Instr]]
 
 
-def _elements(ins: _Instr, users: Users, n: int) -> list[list[_Instr]]:
+def _elements(ins: Instr, users: Users, n: int) -> list[list[Instr]]:
     """The users of each array of an all-reduce's result (through get-tuple-element)."""
     direct = users.get((ins.computation, ins.name), [])
     if n == 1 and not all(u.opcode == "get-tuple-element" for u in direct):
         return [[u for u in direct if not u.opcode.endswith("-done")] + _done_users(ins, users)]
-    out: list[list[_Instr]] = [[] for _ in range(n)]
+    out: list[list[Instr]] = [[] for _ in range(n)]
     for u in direct:
         m = re.search(r"index=(\d+)", u.rest)
         if u.opcode == "get-tuple-element" and m and int(m.group(1)) < n:
@@ -326,12 +328,12 @@ def _elements(ins: _Instr, users: Users, n: int) -> list[list[_Instr]]:
     return out
 
 
-def _done_users(ins: _Instr, users: Users) -> list[_Instr]:
+def _done_users(ins: Instr, users: Users) -> list[Instr]:
     done = [u for u in users.get((ins.computation, ins.name), []) if u.opcode.endswith("-done")]
     return [x for d in done for x in users.get((d.computation, d.name), [])]
 
 
-def _partition_scalars(instrs: list[_Instr]) -> set[tuple[str, str]]:
+def _partition_scalars(instrs: list[Instr]) -> set[tuple[str, str]]:
     """Scalars computed from ``partition-id`` (the offsets of per-device slices)."""
     derived: set[tuple[str, str]] = set()
     for ins in instrs:  # HLO text lists operands before their users
@@ -339,17 +341,17 @@ def _partition_scalars(instrs: list[_Instr]) -> set[tuple[str, str]]:
         if ins.opcode in ("partition-id", "replica-id"):
             derived.add(key)
         elif shape_bytes(ins.shape) and max(shape_bytes(ins.shape)) <= 8:
-            if any((ins.computation, op) in derived for op in _operands(ins.rest)):
+            if any((ins.computation, op) in derived for op in operand_names(ins.rest)):
                 derived.add(key)
     return derived
 
 
-def _slices(user: _Instr, size: int, pid: set[tuple[str, str]]) -> bool:
+def _slices(user: Instr, size: int, pid: set[tuple[str, str]]) -> bool:
     """Whether ``user`` keeps only a per-device slice of an array of ``size`` bytes."""
     out = shape_bytes(user.shape)
     if not out or sum(out) >= size:
         return False
-    return any((user.computation, op) in pid for op in _operands(user.rest))
+    return any((user.computation, op) in pid for op in operand_names(user.rest))
 
 
 def summary(found: list[Collective]) -> dict[str, int]:

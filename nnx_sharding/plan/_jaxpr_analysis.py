@@ -27,7 +27,7 @@ replicated.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -35,11 +35,10 @@ from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
-from .._sharding import is_node
+from .._nodes import Path, is_node
 
 __all__ = ["tensor_parallel_specs"]
 
-Path = tuple[Hashable, ...]
 DimKey = tuple[Any, int]  # (a jaxpr variable at a call site, a dimension)
 
 # Operations whose result is their operand with a new layout: a weight stays a weight.

@@ -24,7 +24,8 @@ from typing import Any, TypeAlias
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-Path: TypeAlias = tuple[Any, ...]
+from .._nodes import Path
+
 Rules: TypeAlias = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 
 LAYOUTS: dict[str, tuple[str, ...]] = {

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _errors
 from .._jit import JitWrapped, jit
-from .._sharding import StateSharding
+from .._state_sharding import StateSharding
 from ._cost import Memory, Time, format_bytes, format_seconds
 from ._hlo import Collective
 

@@ -14,11 +14,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from .. import _errors
-from .._jit import resolve_argnums
-from .._sharding import is_node
+from .._callpath.argnums import resolve_argnums
+from .._nodes import Path, is_node
 from ._compile import Step, abstract, compile_candidate
 from ._cost import format_bytes, parse_bytes
-from ._layouts import LAYOUTS, Candidate, Path, Rules, candidates, metadata_tp, mirror
+from ._layouts import LAYOUTS, Candidate, Rules, candidates, metadata_tp, mirror
 from ._plans import Plans
 
 TP_LAYOUTS = tuple(name for name, axes in LAYOUTS.items() if "model" in axes)
@@ -83,7 +83,7 @@ def plan(
         raise ValueError(_errors.plan_unknown_layouts(unknown, LAYOUTS))
     limit = accel.hbm_bytes if memory_limit is None else parse_bytes(memory_limit)
     if isinstance(devices, int) or devices is None:
-        n = devices if devices is not None else _default_count(topology, num_slices)
+        n = devices if devices is not None else default_device_count(topology, num_slices)
         if n < 1:
             raise ValueError(_errors.plan_bad_device_count(n))
         pool, compiler, note = compile_devices(accel, n, topology, num_slices)
@@ -145,7 +145,7 @@ def plan(
     return Plans(plans, step, title)
 
 
-def _default_count(topology: str | None, num_slices: int) -> int:
+def default_device_count(topology: str | None, num_slices: int) -> int:
     if topology:
         dims = re.findall(r"\d+", topology.split(":", 1)[1])
         return math.prod(int(d) for d in dims) * num_slices

@@ -17,7 +17,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from .. import _errors
-from .._sharding import StateSharding, is_node
+from .._nodes import is_node
+from .._state_sharding import StateSharding
 from ._compile import Step
 from ._cost import format_bytes, format_seconds
 from ._hlo import KINDS

@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .._shard_map import shard_map
-from .._sharding import StateSharding
+from .._state_sharding import StateSharding
 from ._model import MLP, Array, Step, mse
 from ._specs import AxisName, PathEndsWith, as_spec, sharded_step, spec_dim
 from ._tp_shard_map import tp_forward

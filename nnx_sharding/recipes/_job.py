@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .._sharding import StateSharding
+from .._state_sharding import StateSharding
 from ._data_parallel import data_parallel_step, data_tensor_parallel_step
 from ._model import (
     MLP,

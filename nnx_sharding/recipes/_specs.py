@@ -12,7 +12,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._jit import jit
-from .._sharding import ShardingLike, StateSharding
+from .._state_sharding import StateSharding
+from .._types import ShardingLike
 from ._model import MLP, Array, Step
 
 AxisName: TypeAlias = str

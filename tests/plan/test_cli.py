@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import pytest
+
 from nnx_sharding._cli.plan import main
 
 
