@@ -503,19 +503,19 @@ def test_is_node_agrees_with_flax_and_caches_only_what_cannot_vary():
     refs still get flax's own answer."""
     from flax.nnx import graph as nnx_graph
 
-    from nnx_sharding._sharding import _NOT_NODES, is_node
+    from nnx_sharding._nodes import NOT_NODES, is_node
 
     values = [1, (1,), {}, [], None, "s", np.ones(2), jnp.ones(2), nnx.Param(jnp.ones(2))]
     values += [nnx.Linear(1, 1, rngs=nnx.Rngs(0)), nnx.List([]), jax.new_ref(jnp.ones(2))]
     for _ in range(2):  # the second round answers from the cache
         assert [is_node(v) for v in values] == [nnx_graph.is_graph_node(v) for v in values]
-    assert type(jnp.ones(2)) in _NOT_NODES and type(jax.new_ref(jnp.ones(2))) not in _NOT_NODES
+    assert type(jnp.ones(2)) in NOT_NODES and type(jax.new_ref(jnp.ones(2))) not in NOT_NODES
 
     @jax.jit
     def inside(x):
         ref = jax.new_ref(x)
         assert is_node(ref) and not is_node(x)  # tracers: never cached by type
-        assert type(x) not in _NOT_NODES
+        assert type(x) not in NOT_NODES
         return x
 
     inside(jnp.ones(2))
