@@ -18,7 +18,7 @@ from ._types import ShardingLike
 T = TypeVar("T")
 
 
-def abstract(s: ShardingLike) -> bool:
+def on_abstract_mesh(s: ShardingLike) -> bool:
     """Whether ``s`` is a NamedSharding on an AbstractMesh (no devices)."""
     return isinstance(s, NamedSharding) and isinstance(s.mesh, AbstractMesh)
 
@@ -26,7 +26,7 @@ def abstract(s: ShardingLike) -> bool:
 def concrete(sharding: ShardingLike) -> ShardingLike:
     """A NamedSharding on an abstract mesh moved to the equal concrete mesh in context."""
     mesh = jax.sharding.get_mesh()
-    if abstract(sharding) and mesh.abstract_mesh == sharding.mesh:  # type: ignore[union-attr]
+    if on_abstract_mesh(sharding) and mesh.abstract_mesh == sharding.mesh:  # type: ignore[union-attr]
         return NamedSharding(mesh, sharding.spec)  # type: ignore[union-attr]
     return sharding
 

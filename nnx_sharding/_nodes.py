@@ -34,6 +34,17 @@ def is_node(x: Any) -> bool:
     return False
 
 
+def is_variable(x: Any) -> bool:
+    """Whether ``x`` is an ``nnx.Variable`` (a leaf predicate for ``jax.tree`` walks)."""
+    return isinstance(x, nnx.Variable)
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` has an array's ``shape`` and ``dtype``: an array, a tracer or a
+    ``jax.ShapeDtypeStruct``."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def alias_paths(node: Any, by_path: Mapping[Path, Any]) -> Iterator[tuple[Path, Any]]:
     """The second and later paths to each shared Variable inside ``node``."""
     for group in nnx.find_duplicates(node):

@@ -44,7 +44,7 @@ from ._shard_map_layout import (
     AxisName,
     Flat,
     Specs,
-    abstract,
+    abstract_mesh,
     axes_of,
     group_outputs,
     in_sites,
@@ -192,7 +192,7 @@ class ShardMapFn(CachedCall[P, R]):
                 else frozenset(
                     i
                     for i in plan.state_indices
-                    if misplaced(leaves[i], in_specs[i], abstract(mesh))
+                    if misplaced(leaves[i], in_specs[i], abstract_mesh(mesh))
                 )
             )
             if not self._infer and AxisType.Explicit in mesh.axis_types:

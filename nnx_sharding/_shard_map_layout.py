@@ -107,7 +107,7 @@ def axes_of(spec: PartitionSpec) -> set[Any]:
     return {a for part in spec for a in (part if isinstance(part, tuple) else (part,))}
 
 
-def abstract(mesh: Mesh | AbstractMesh) -> AbstractMesh:
+def abstract_mesh(mesh: Mesh | AbstractMesh) -> AbstractMesh:
     return mesh.abstract_mesh if isinstance(mesh, Mesh) else mesh
 
 

@@ -27,7 +27,7 @@ from ._callpath.outside import (
     CallPlan,
     Leaf,
     Site,
-    abstract,
+    abstract_leaves,
     chunks,
     merge_call,
     merge_new,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 def _abstract_nodes(plan: CallPlan, leaves: Sequence[Any]) -> list[Any]:
     """The call's graph nodes rebuilt from ``plan`` with abstract leaves (None for arrays)."""
     with nnx.merge_context() as ctx:
-        nodes = unflatten_all(ctx, plan.graphdefs, abstract(leaves), plan.sizes)
+        nodes = unflatten_all(ctx, plan.graphdefs, abstract_leaves(leaves), plan.sizes)
     return [n if g is not None else None for n, g in zip(nodes, plan.graphdefs, strict=True)]
 
 
@@ -157,7 +157,7 @@ class _Stage:
     def _passed_through(self) -> list[Any]:
         """Per input leaf, the ``out_info`` entry of an input returned as it came, as
         jax's own stage writes its outputs' (here `jax.stages.Lowered.out_info`'s)."""
-        return abstract(self._in_leaves(self._jax.in_avals))
+        return abstract_leaves(self._in_leaves(self._jax.in_avals))
 
     def _in_leaves(self, member: Any) -> list[Any]:
         """A member jax gives in the program's input structure, as its flat leaves."""

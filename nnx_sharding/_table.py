@@ -21,9 +21,10 @@ from rich.text import Text
 
 from . import _errors
 from ._logical import axis_names
-from ._metadata import abstract, placement
+from ._metadata import on_abstract_mesh, placement
 from ._nodes import Path, format_path, is_node
 from ._types import ShardingLike
+from ._units import format_bytes
 
 DeviceKey: TypeAlias = int
 """A device id; for an abstract mesh without devices in context, a position in the mesh."""
@@ -79,8 +80,8 @@ class ShardingTable:
         meshes = {str(dict(s.mesh.shape)) for s in named}
         title = "Sharding of Variables" + (f" on mesh {meshes.pop()}" if len(meshes) == 1 else "")
         kinds = "arrays" if any(r.type == "Array" for r in self.rows) else "Variables"
-        footer = {"path": f"{len(self.rows)} {kinds}", "total": _size(self.total_bytes)}
-        footer["per device"] = _size(max(self.per_device.values(), default=0))
+        footer = {"path": f"{len(self.rows)} {kinds}", "total": format_bytes(self.total_bytes)}
+        footer["per device"] = format_bytes(max(self.per_device.values(), default=0))
         table = Table(title=title, caption=self._caption(), show_footer=True)
         for name in COLUMNS:
             fold = "fold" if name in ("path", "sharding") else "ellipsis"
@@ -89,7 +90,11 @@ class ShardingTable:
                              no_wrap=name in RIGHT)  # fmt: skip
         for r in self.rows:
             known = r.bytes_per_device is not None
-            figures = (_size(r.bytes_per_device), _size(r.total_bytes), str(r.replication))
+            figures = (
+                format_bytes(r.bytes_per_device or 0),
+                format_bytes(r.total_bytes),
+                str(r.replication),
+            )
             table.add_row(
                 r.path or "<root>", r.type, str(r.shape), str(r.dtype), _show(r.sharding),
                 ",".join(r.mesh_axes) or "-", *(figures if known else ("?", figures[1], "?")),
@@ -101,7 +106,7 @@ class ShardingTable:
         groups: dict[int, list[DeviceKey]] = {}
         for device, size in sorted(self.per_device.items()):
             groups.setdefault(size, []).append(device)
-        parts = [f"{_size(size)} on {_ranges(ids)}" for size, ids in groups.items()]
+        parts = [f"{format_bytes(size)} on {_ranges(ids)}" for size, ids in groups.items()]
         unknown = sum(r.bytes_per_device is None for r in self.rows)
         if unknown:
             parts.append(f"{unknown} without a known sharding left out")
@@ -133,13 +138,6 @@ def _show(s: ShardingLike) -> str:
     if isinstance(s, SingleDevice):
         return f"device {next(iter(s.device_set)).id}"
     return "unknown" if s is None else repr(s)
-
-
-def _size(n: int | None) -> str:
-    if n is None or n < 1024:
-        return f"{n} B"
-    exponent = min(int(math.log(n, 1024)), 3)
-    return f"{n / 1024**exponent:.2f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
 
 
 def _ranges(ids: Sequence[int]) -> str:
@@ -180,7 +178,7 @@ def _row(path: str, item: Any) -> ShardingRow | None:
     per_device, replication, devices = None, None, ()
     if isinstance(sharding, Sharding):
         per_device = math.prod(sharding.shard_shape(shape)) * dtype.itemsize
-        if abstract(sharding):  # no devices: count the shards from the spec
+        if on_abstract_mesh(sharding):  # no devices: count the shards from the spec
             devices = tuple(range(sharding.mesh.size))  # type: ignore[attr-defined]
             shards = math.prod(sharding.mesh.shape[a] for a in axes)  # type: ignore[attr-defined]
         else:
@@ -245,7 +243,7 @@ def _select(table: ShardingTable, paths: Sequence[PathLike]) -> list[ShardingRow
             continue
         if len(row.shape) not in (1, 2):
             problems.append(f"the Variable at {key} has {len(row.shape)} dimensions")
-        elif not isinstance(row.sharding, Sharding) or abstract(row.sharding):
+        elif not isinstance(row.sharding, Sharding) or on_abstract_mesh(row.sharding):
             problems.append(f"the Variable at {key} has no devices ({_show(row.sharding)})")
         chosen.append(row)
     if missing:

@@ -17,7 +17,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
-from nnx_sharding._cli.aot import _size, aot_main, aot_report
+from nnx_sharding._cli.aot import aot_main, aot_report
+from nnx_sharding._units import format_bytes
 from nnx_sharding.plan._decoder import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +245,7 @@ def test_aot_runs_on_the_devices_its_mesh_needs(args, env, title):
     c = CONFIGS["tiny"]
     matrices = c.param_count() - (2 * c.layers + 1) * c.d_model
     per_device = (matrices // n + (2 * c.layers + 1) * c.d_model) * 4  # every matrix split n ways
-    assert per_device_parameters(run.stdout) == _size(per_device)
+    assert per_device_parameters(run.stdout) == format_bytes(per_device)
 
 
 def test_aot_mismatched_devices_is_one_line_from_the_command_line():

@@ -10,7 +10,7 @@ from typing import Any
 from flax import nnx
 
 from .. import _errors
-from .._nodes import Path, format_path, is_node
+from .._nodes import Path, format_path, is_array, is_node
 from .outside import CallPlan
 
 
@@ -76,10 +76,6 @@ def graph_changes(
     return changes
 
 
-def _is_array(obj: Any) -> bool:
-    return hasattr(obj, "shape") and hasattr(obj, "dtype")
-
-
 def _layout(node: Any) -> dict[Path, tuple[str, Any]]:
     """``path -> (type name, what else must match)`` for everything below ``node``, shared
     objects under each of their paths. What must match: a static attribute's value, a
@@ -90,7 +86,7 @@ def _layout(node: Any) -> dict[Path, tuple[str, Any]]:
             continue
         if isinstance(obj, nnx.Variable):
             found[tuple(path)] = (type(obj).__name__, obj.get_metadata())
-        elif _is_array(obj):
+        elif is_array(obj):
             found[tuple(path)] = ("array", None)
         else:
             found[tuple(path)] = (type(obj).__name__, None if is_node(obj) else obj)

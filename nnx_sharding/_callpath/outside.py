@@ -339,7 +339,7 @@ def merge_abstract(
     leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
 ) -> Any:
     """Like `merge_call` but into new objects: for abstract (shape-only) outputs."""
-    return merge_new(abstract(leaves), out_plan, in_flat, out_flat)
+    return merge_new(abstract_leaves(leaves), out_plan, in_flat, out_flat)
 
 
 def merge_new(
@@ -352,6 +352,6 @@ def merge_new(
         return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)
 
 
-def abstract(leaves: Sequence[Leaf]) -> list[Leaf]:
+def abstract_leaves(leaves: Sequence[Leaf]) -> list[Leaf]:
     """Each array (or aval) as a ``jax.ShapeDtypeStruct``; other leaves as they are."""
     return [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]

@@ -30,6 +30,7 @@ from flax.errors import TraceContextError
 from jax.tree_util import keystr
 
 from .. import _errors
+from .._nodes import is_variable
 from .._state_sharding import StateSharding
 
 KeyPath: TypeAlias = tuple[Any, ...]
@@ -45,10 +46,6 @@ def resolve_mode(graph: bool | None, graph_updates: bool | None) -> tuple[bool, 
         updates = getattr(nnx, "set_graph_updates", None)
         graph_updates = True if updates is None else bool(updates.current_value())
     return bool(graph), bool(graph_updates)
-
-
-def is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def _is_node_or_variable(x: Any) -> bool:

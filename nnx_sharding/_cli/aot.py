@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rich.console import Console
 from rich.table import Table
@@ -27,26 +27,14 @@ from rich.table import Table
 from .. import _errors
 from .._jit import jit
 from .._metadata import shard
+from .._units import format_bytes
 from ..plan._decoder import CONFIGS, LOGICAL_AXES, Decoder, DecoderConfig, train_step
+from ..recipes._specs import make_mesh
 from .common import MESH_AXES, Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
 
 AXES = MESH_AXES
 """The mesh axes the configs shard over: FSDP over ``data``, tensor parallelism over ``model``."""
 PROG = "python -m nnx_sharding aot"
-
-
-def make_mesh(axes: Mapping[str, int]) -> Mesh:
-    """A mesh of ``AxisType.Auto`` axes over the first devices, ``{'data': 2, 'model': 4}``."""
-    n = math.prod(axes.values())
-    devices = jax.devices()
-    if n > len(devices):
-        raise ValueError(_errors.aot_mesh_too_big("aot_report", dict(axes), n, len(devices)))
-    return jax.make_mesh(
-        tuple(axes.values()),
-        tuple(axes),
-        axis_types=(AxisType.Auto,) * len(axes),
-        devices=devices[:n],
-    )
 
 
 def rules_for(mesh: Mesh) -> list[tuple[str, str | None]]:
@@ -130,16 +118,16 @@ class AotReport:
             ("parameters", "", f"{self.params:,}", "the model's Variables"),
             (
                 "parameter bytes",
-                _size(self.param_bytes_per_device),
-                _size(self.param_bytes),
+                format_bytes(self.param_bytes_per_device),
+                format_bytes(self.param_bytes),
                 "their shardings (all: one copy)",
             ),
-            ("argument bytes", _size(self.argument_bytes), "", "memory_analysis"),
-            ("output bytes", _size(self.output_bytes), "", "memory_analysis"),
-            ("alias bytes", _size(self.alias_bytes), "", "memory_analysis (donated)"),
-            ("temp bytes", _size(self.temp_bytes), "", "memory_analysis"),
+            ("argument bytes", format_bytes(self.argument_bytes), "", "memory_analysis"),
+            ("output bytes", format_bytes(self.output_bytes), "", "memory_analysis"),
+            ("alias bytes", format_bytes(self.alias_bytes), "", "memory_analysis (donated)"),
+            ("temp bytes", format_bytes(self.temp_bytes), "", "memory_analysis"),
             ("FLOPs", _flops(self.flops), _flops(self.flops * n), "cost_analysis"),
-            ("bytes accessed", _size(int(self.bytes_accessed)), "", "cost_analysis"),
+            ("bytes accessed", format_bytes(int(self.bytes_accessed)), "", "cost_analysis"),
             ("lower", "", f"{self.lower_seconds:.2f} s", "wall time"),
             ("compile", "", f"{self.compile_seconds:.2f} s", "wall time"),
         ]
@@ -149,13 +137,6 @@ class AotReport:
 
     def __rich__(self) -> Table:
         return self.table()
-
-
-def _size(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    exponent = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024**exponent:.2f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
 
 
 def _flops(n: float) -> str:
@@ -194,7 +175,11 @@ def aot_report(config: str | DecoderConfig, mesh: Mesh | Mapping[str, int]) -> A
         if config not in CONFIGS:
             raise ValueError(_errors.aot_unknown_config("aot_report", config, list(CONFIGS)))
         config = CONFIGS[config]
-    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+    if not isinstance(mesh, Mesh):
+        n, have = math.prod(mesh.values()), len(jax.devices())
+        if n > have:
+            raise ValueError(_errors.aot_mesh_too_big("aot_report", dict(mesh), n, have))
+        mesh = make_mesh(mesh)
     model = abstract_model(config, mesh)
     tokens = abstract_tokens(config, mesh)
     values = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(model))]

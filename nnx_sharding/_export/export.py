@@ -36,7 +36,7 @@ from .._callpath.outside import (
     unflatten_all,
 )
 from .._jit import JitWrapped
-from .._nodes import format_path, is_node
+from .._nodes import format_path, is_array, is_node
 from .._stages import arrange
 from .program import Exported, flat_state, is_state, nested_state
 
@@ -112,11 +112,9 @@ def _states_by_path(
     return tuple(states)
 
 
-def _is_array(x: Any) -> bool:
+def _is_jax_argument(x: Any) -> bool:
     """What jax takes as an argument: an array, a ShapeDtypeStruct or a scalar."""
-    return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(
-        x, (bool, int, float, complex, np.generic)
-    )
+    return is_array(x) or isinstance(x, (bool, int, float, complex, np.generic))
 
 
 def _as_state(node: Any) -> nnx.State:
@@ -186,7 +184,7 @@ def export(
         if wrong := [
             (str(site), type(x).__name__)
             for x, site in zip(leaves, sites, strict=True)
-            if not _is_array(x)
+            if not _is_jax_argument(x)
         ]:
             raise TypeError(_errors.export_not_arrays("export", wrong))
         shardings = [

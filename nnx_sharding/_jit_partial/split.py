@@ -17,15 +17,11 @@ from jax.tree_util import keystr
 
 from .. import _errors
 from .._callpath.outside import Leaf, Site
-from .._nodes import is_node
+from .._nodes import is_node, is_variable
 from .._sharding import broadcast_prefix, variable_shardings
 from .._types import PyTreeDef, ShardingLike
 
 TRANSFORM = "jit_partial"
-
-
-def is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 @dataclasses.dataclass

@@ -21,10 +21,10 @@ from jax.tree_util import keystr
 from .. import _errors
 from .._callpath.inside import snapshots
 from .._callpath.outside import Leaf, unflatten_all, value_of
-from .._nodes import format_path, is_node
+from .._nodes import format_path, is_node, is_variable
 from .._sharding import accept_flax, broadcast_prefix, variable_shardings
 from .._types import PyTreeDef
-from .split import PartialSplit, is_variable
+from .split import PartialSplit
 
 
 @jax.tree_util.register_static

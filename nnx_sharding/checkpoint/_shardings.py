@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from jax.tree_util import keystr
 
 from .. import _errors
-from .._metadata import abstract, concrete, placement
+from .._metadata import concrete, on_abstract_mesh, placement
 from .._nodes import Path, is_node
 from .._sharding import (
     broadcast_prefix,
@@ -86,7 +86,7 @@ def resolve(
         except Exception as e:  # noqa: BLE001
             failed.append(f"{where('target', path)}: {e}")
             continue
-        if isinstance(sharding, PartitionSpec) or abstract(sharding):
+        if isinstance(sharding, PartitionSpec) or on_abstract_mesh(sharding):
             on = getattr(sharding, "mesh", None)  # an abstract sharding on another mesh
             seen = (
                 f" (the mesh set has the axes {dict(mesh.shape)})" if on and not mesh.empty else ""

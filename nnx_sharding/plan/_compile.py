@@ -44,7 +44,7 @@ class Step:
     originals: tuple[Any, ...] = ()  # the arguments as given (for `Plans.measure`)
 
 
-def abstract(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
+def abstract_args(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
     """``args`` with every array (in graph nodes too) a ``ShapeDtypeStruct`` without a
     sharding: what the candidates lower. Sharing between arguments is kept; the
     caller's objects are not touched."""
@@ -122,7 +122,9 @@ def state_bytes(step: Step, candidate: Candidate, specs: Sequence[Any]) -> int:
     return total
 
 
-def make_mesh(devices: Sequence[Any], shape: dict[str, int]) -> Mesh:
+def mesh_in_order(devices: Sequence[Any], shape: dict[str, int]) -> Mesh:
+    """A mesh of ``AxisType.Auto`` axes over ``devices`` in the order given: the planner
+    puts the innermost axes inside a node, which ``jax.make_mesh`` would reorder."""
     grid = np.array(list(devices)[: math.prod(shape.values())], dtype=object)
     grid = grid.reshape(tuple(shape.values()))
     return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
@@ -146,7 +148,7 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         shown = "; ".join(problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         return Plan(**base, **failed, reason=f"shapes do not divide: {shown}{more}")
-    mesh = make_mesh(step.devices, dict(candidate.mesh_shape))
+    mesh = mesh_in_order(step.devices, dict(candidate.mesh_shape))
     bound = bind(specs, mesh)
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
     start = time.perf_counter()

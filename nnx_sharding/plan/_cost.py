@@ -18,7 +18,6 @@ predicted from FLOPs, bytes accessed and collectives on an `Accelerator`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -122,22 +121,6 @@ def predict(
     hidden_by = max(compute, memory)
     exposed = critical + max(0.0, overlappable - hidden_by)
     return Time(compute, memory, critical + overlappable, exposed)
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``."""
-    if n < 1024:
-        return f"{int(n)} B"
-    exponent = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024**exponent:.2f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
-
-
-def format_seconds(s: float) -> str:
-    """``0.0123`` -> ``'12.3 ms'``."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if s >= scale:
-            return f"{s / scale:.3g} {unit}"
-    return f"{s * 1e9:.3g} ns"
 
 
 def parse_bytes(text: str | int) -> int:

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
-from .._nodes import Path, is_node
+from .._nodes import Path, is_array, is_node
 
 __all__ = ["tensor_parallel_specs"]
 
@@ -361,10 +361,6 @@ def _ndim(x: Any) -> int:
     return len(x.aval.shape) if _is_var(x) else 0
 
 
-def _is_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
 def tensor_parallel_specs(
     fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], axis: str = "model"
 ) -> tuple[dict[Path, PartitionSpec] | None, ...]:
@@ -409,14 +405,14 @@ def tensor_parallel_specs(
             traced = []
             for path, var in flat:
                 value = var.get_value()
-                if _is_array(value):
+                if is_array(value):
                     operands.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
                     weight_index.append((index, tuple(path)))
                     traced.append(True)
                 else:
                     traced.append(False)
             slots.append(("node", graphdef, flat, traced, start))
-        elif _is_array(arg):
+        elif is_array(arg):
             slots.append(("array", len(operands)))
             operands.append(jax.ShapeDtypeStruct(arg.shape, arg.dtype))
             weight_index.append((-1, ()))
@@ -446,7 +442,7 @@ def tensor_parallel_specs(
         leaves = [a for x in jax.tree.leaves(out, is_leaf=is_node) for a in _arrays(x)]
         for x in rebuilt:
             if is_node(x):
-                leaves += [v for v in jax.tree.leaves(nnx.state(x)) if _is_array(v)]
+                leaves += [v for v in jax.tree.leaves(nnx.state(x)) if is_array(v)]
         return leaves
 
     closed = jax.make_jaxpr(pure)(*operands)
@@ -502,5 +498,5 @@ def tensor_parallel_specs(
 
 def _arrays(x: Any) -> list[Any]:
     if is_node(x):
-        return [v for v in jax.tree.leaves(nnx.state(x)) if _is_array(v)]
-    return [x] if _is_array(x) else []
+        return [v for v in jax.tree.leaves(nnx.state(x)) if is_array(v)]
+    return [x] if is_array(x) else []

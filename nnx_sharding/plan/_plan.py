@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 from .. import _errors
 from .._jit import JitWrapped, jit
 from .._state_sharding import StateSharding
-from ._cost import Memory, Time, format_bytes, format_seconds
+from .._units import format_bytes, format_seconds
+from ._cost import Memory, Time
 from ._hlo import Collective
 
 InShardings: TypeAlias = tuple[Any, ...]

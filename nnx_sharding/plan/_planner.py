@@ -16,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 from .. import _errors
 from .._callpath.argnums import resolve_argnums
 from .._nodes import Path, is_node
-from ._compile import Step, abstract, compile_candidate
-from ._cost import format_bytes, parse_bytes
+from .._units import format_bytes
+from ._compile import Step, abstract_args, compile_candidate
+from ._cost import parse_bytes
 from ._layouts import LAYOUTS, Candidate, Rules, candidates, metadata_tp, mirror
 from ._plans import Plans
 
@@ -93,10 +94,10 @@ def plan(
     static, _ = resolve_argnums(
         fun, jit_options.get("static_argnums"), jit_options.get("static_argnames")
     )
-    abstract_args = abstract(args, static)
+    shapes = abstract_args(args, static)
     variables = {
         i: [(tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(a))]
-        for i, a in enumerate(abstract_args)
+        for i, a in enumerate(shapes)
         if i not in static and is_node(a)
     }
     chosen = candidates(n, layouts)
@@ -105,10 +106,10 @@ def plan(
     tp: dict[int, dict[Path, P] | None] = {}
     tp_problem = None
     if any("model" in c.mesh_shape for c in chosen):
-        tp, tp_problem = _tensor_parallel(fun, abstract_args, static, variables, rules)
+        tp, tp_problem = _tensor_parallel(fun, shapes, static, variables, rules)
     step = Step(
         fun=fun,
-        args=abstract_args,
+        args=shapes,
         static=static,
         options=dict(jit_options),
         variables=variables,

@@ -19,8 +19,8 @@ from rich.table import Table
 from .. import _errors
 from .._nodes import is_node
 from .._state_sharding import StateSharding
+from .._units import format_bytes, format_seconds
 from ._compile import Step
-from ._cost import format_bytes, format_seconds
 from ._hlo import KINDS
 from ._plan import Plan, shortfall
 
