@@ -11,7 +11,7 @@ objects (`_objects`), the tools around them (`_tools`) and checkpoints
 
 from ._checkpoint import *  # noqa: F403
 from ._layout import format_message as format_message
-from ._modes import *  # noqa: F403
+from ._simple import *  # noqa: F403
 from ._objects import *  # noqa: F403
 from ._partial import *  # noqa: F403
 from ._plan import *  # noqa: F403
