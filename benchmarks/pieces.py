@@ -1,7 +1,7 @@
 """Where a fast call's time goes: each piece of `nnx_sharding.jit`'s fast path, timed alone.
 
 The no-op step of `overhead.py` (the graph-overhead MLP with `nnx.Optimizer(sgd)`) is jitted
-and warmed up; then each piece of `_cache.fast_call` runs on its own, in the order a call runs
+and warmed up; then each piece of `cache.fast_call` runs on its own, in the order a call runs
 them, beside the whole call. Its "jax dispatch" is what floor (b) of `overhead.py` (a flat
 `jax.jit` over the same arrays, returning the changed one) costs too; the ratios to floor (b)
 are `overhead.py`'s. Each figure is the median over --rounds interleaved rounds (every piece
@@ -10,12 +10,12 @@ once per round) of the mean of a block of calls, with min and max.
 It also times the cheapest exact primitives for the snapshot's checks, on the same
 containers: the list of keys (one C-level list comparison), the identity of every container
 value (``all(map(is_, ...))``, streamed or on a gathered list, or the objects
-``gc.get_referents`` lists compared as pointer arrays, `_pointers`), every Variable's
+``gc.get_referents`` lists compared as pointer arrays, `pointers`), every Variable's
 metadata against a copy (one list comparison) and reading the Variables' values. An exact
 check that looks at every entry cannot cost less than their sum in pure Python; with jax's
 dispatch of the arrays (which floor (b) pays too) it bounds the fast call from below.
 
-This reads the package's private modules (`_cache`, `_snapshot`): it measures them.
+This reads the package's private modules (`cache`, `snapshot`): it measures them.
 
 Run:  python benchmarks/pieces.py [--depth 100] [--rounds 11] [--out DIR]
 Writes pieces-depth<D>.json to benchmarks/results/ (or --out).

@@ -113,7 +113,7 @@ class JitWrapped(CachedCall[P, R]):
 
 class SimpleJitWrapped(JitWrapped[P, R]):
     """`JitWrapped` on flax's simple path: ``graph=False`` (tree mode) or
-    ``graph_updates=False`` (`_tree`). Only Variable values come back to the caller."""
+    ``graph_updates=False`` (`simple`). Only Variable values come back to the caller."""
 
     def __init__(
         self,

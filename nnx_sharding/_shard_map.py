@@ -1,6 +1,6 @@
 """`shard_map`: ``jax.shard_map`` over NNX graph nodes, with NNX semantics.
 
-A call runs through the same cached path as `jit` (`_call.CachedCall`): the
+A call runs through the same cached path as `jit` (`call.CachedCall`): the
 arguments are split into flat arrays, and the plan's jitted function wraps one
 ``jax.shard_map`` over them. Inside, each device merges its own shards back into
 modules, runs the function and splits the result again:
@@ -418,7 +418,7 @@ def shard_map(
 
 class SimpleShardMapFn(ShardMapFn[P, R]):
     """`ShardMapFn` on flax's simple path: ``graph=False`` (tree mode) or
-    ``graph_updates=False`` (`_tree`): one eager ``jax.shard_map``, as flax runs it."""
+    ``graph_updates=False`` (`simple`): one eager ``jax.shard_map``, as flax runs it."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 Each wraps the ``jax.stages`` object of the flat call plus a `Binding`: what maps
 the program's flat inputs and outputs to the caller's. Every call path gives the
 same three classes: `PlanBinding` here for the full graph path (the `CallPlan`
-that `_graph.split_call` makes and `_graph.merge_call` undoes), and `_tree.SimpleCall`
+that `outside.split_call` makes and `outside.merge_call` undoes), and `simple.SimpleCall`
 for the simple path (``graph=False`` or ``graph_updates=False``). jax's
 introspection passes through unchanged; ``args_info`` and the members jax
 unflattens with ``out_tree`` are given in the caller's structure, with each graph
@@ -52,7 +52,7 @@ def _node_differences(
     plan: CallPlan, expected: CallPlan, leaves: Sequence[Any], expected_leaves: Sequence[Any]
 ) -> list[str]:
     """How each graph node argument differs from the one compiled for, attribute by
-    attribute (`_changes.compiled_differences`)."""
+    attribute (`changes.compiled_differences`)."""
     try:
         called = _abstract_nodes(plan, leaves)
         compiled = dict(
@@ -142,7 +142,7 @@ class _Stage:
     def __init__(self, jax_stage: Any, binding: Binding, waits: bool = False):
         self._jax = jax_stage
         self._binding = binding
-        self._waits = waits  # the program has host callbacks: see `_cache.PlanState.wait`
+        self._waits = waits  # the program has host callbacks: see `cache.PlanState.wait`
 
     @property
     def args_info(self) -> Any:
@@ -338,7 +338,7 @@ class PlanBinding:
     """The `Binding` of the full graph path: a `CallPlan` and its leaves' labels.
 
     Args:
-        plan: the call's plan (`_graph.split_call`).
+        plan: the call's plan (`outside.split_call`).
         sites: each flat leaf's label, in the plan's order.
         bound: the object of a bound method, passed first.
         moved: ``(where, sharding, wanted)`` of committed arguments on another sharding
@@ -390,7 +390,7 @@ def _state_or_value(pairs: list[tuple[Any, Any]]) -> Any:
 
 class _PlanRunner:
     """`Compiled.__call__` on the full graph path: checks the arguments against the
-    plan, runs, writes back; repeated calls take `_cache`'s fast path."""
+    plan, runs, writes back; repeated calls take `cache`'s fast path."""
 
     def __init__(self, binding: PlanBinding, compiled: Any, waits: bool):
         self._binding = binding

@@ -148,8 +148,8 @@ FULL = {name: nnx_sharding.jit(f) for name, f in FUNCTIONS.items()}  # call in `
 
 @contextlib.contextmanager
 def full_path() -> Iterator[None]:
-    """Calls made inside cache nothing (`_cache.remember` keeps at most MAX_ENTRIES), so
-    a transform used only in here always takes the full path (`_graph` + `merge_call`)."""
+    """Calls made inside cache nothing (`cache.remember` keeps at most MAX_ENTRIES), so
+    a transform used only in here always takes the full path (`outside` + `merge_call`)."""
     saved = _cache.MAX_ENTRIES
     _cache.MAX_ENTRIES = 0
     try:

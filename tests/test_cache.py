@@ -1,4 +1,4 @@
-"""The fast path (`_cache`): cached splits must never serve a stale graph."""
+"""The fast path (`cache`): cached splits must never serve a stale graph."""
 
 import jax
 import jax.numpy as jnp
@@ -314,8 +314,8 @@ def _assert_identical(a, b):
 
 @pytest.fixture
 def splits(monkeypatch):
-    """Counts the full path's splits (`_call.split_call`) and the fast path's fallbacks
-    to the full merge (`_cache.split_call`)."""
+    """Counts the full path's splits (`call.split_call`) and the fast path's fallbacks
+    to the full merge (`cache.split_call`)."""
     from nnx_sharding._callpath import call as _call
     from nnx_sharding._fastpath import cache as _cache
 

@@ -1,4 +1,4 @@
-"""The shared call path (`_call`): outer jax transforms, ``nnx.cached_partial``,
+"""The shared call path (`call`): outer jax transforms, ``nnx.cached_partial``,
 bound methods and static arguments, and failures that must leave objects intact."""
 
 import jax
@@ -84,7 +84,7 @@ def test_cached_partial_trains_like_a_plain_call(jit):
 
 def test_cached_partial_flattens_its_clones_once(monkeypatch):
     """Under ``nnx.cached_partial`` the cached clones are flattened once, as jit_partial
-    flattens (`_cached_partial`): no call walks the graphs (`split_call`)."""
+    flattens (`cached_partial`): no call walks the graphs (`split_call`)."""
     from nnx_sharding._callpath import call as _call
     from nnx_sharding._jit_partial import cached_partial as _cached_partial
 

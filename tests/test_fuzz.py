@@ -1,4 +1,4 @@
-"""A stateful fuzz of the fast path (`_cache`, `_snapshot`): no mutation may go unseen.
+"""A stateful fuzz of the fast path (`cache`, `snapshot`): no mutation may go unseen.
 
 Two twin models, built alike from one seed, get the same random mutations between
 calls. Twin ``a`` is called through `nnx_sharding.jit`'s fast path (module-level

@@ -1,4 +1,4 @@
-"""`jit_partial` (`_partial`) against flax's ``nnx.jit_partial``, and ``nnx.cached_partial``
+"""`jit_partial` (`jit_partial`) against flax's ``nnx.jit_partial``, and ``nnx.cached_partial``
 over `nnx_sharding.jit`: results, state after calls, write-back, errors."""
 
 import jax

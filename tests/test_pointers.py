@@ -1,4 +1,4 @@
-"""`_pointers`: the one-step identity comparison of two lists, and its fallback."""
+"""`pointers`: the one-step identity comparison of two lists, and its fallback."""
 
 import os
 import subprocess

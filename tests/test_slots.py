@@ -1,4 +1,4 @@
-"""`_slots`: the probed direct read of a Variable's metadata, and its public fallback."""
+"""`slots`: the probed direct read of a Variable's metadata, and its public fallback."""
 
 import os
 import subprocess

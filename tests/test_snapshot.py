@@ -1,4 +1,4 @@
-"""What the fast path must see change between calls (`_snapshot`, `_cache`).
+"""What the fast path must see change between calls (`snapshot`, `cache`).
 
 Each test warms the cache with two calls, changes the model from outside, and checks
 the third call against flax's ``nnx.jit`` on a twin built the same way.

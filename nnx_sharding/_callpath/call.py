@@ -1,8 +1,8 @@
 """`CachedCall`: the call path every transform shares.
 
-A call first tries the fast path (`_cache.fast_call`); otherwise it splits its
-arguments (`_graph.split_call`), runs the plan's jitted function and merges the
-results back (`_graph.merge_call`), then caches the split for the next call.
+A call first tries the fast path (`cache.fast_call`); otherwise it splits its
+arguments (`outside.split_call`), runs the plan's jitted function and merges the
+results back (`outside.merge_call`), then caches the split for the next call.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class CachedCall(Generic[P, R]):
 
     A subclass says how one `CallPlan` becomes a jax-level function (`_build`,
     a ``jax.jit`` over the flat ``(donated, kept)`` leaves whose inner function is
-    made by `_graph`'s steps 2 and 3); everything else is here.
+    made by the call path's steps 2 and 3 (`inside`)); everything else is here.
     """
 
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None

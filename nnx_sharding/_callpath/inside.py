@@ -1,4 +1,4 @@
-"""Steps 2 and 3 of `_graph`'s call path, inside the program at trace time.
+"""Steps 2 and 3 of the call path (see the package docstring), inside the program at trace time.
 
 ``merge_inputs`` turns the call's leaves into fresh inner copies of the arguments;
 after the function ran, ``split_inner`` splits the inputs (possibly updated) and the

@@ -1,4 +1,4 @@
-"""The function `jit` has jax trace: `_graph`'s steps 2 and 3 around the user's function.
+"""The function `jit` has jax trace: the call path's steps 2 and 3 around the function.
 
 `make_inner` merges fresh inner copies of the inputs, calls the function, splits
 inputs and outputs again, and pins every array to its sharding with
@@ -25,7 +25,7 @@ from .outside import CallPlan, Leaf, checked_on_fast_calls, chunks, value_of
 
 
 def make_inner(fun: Callable[..., Any], plan: CallPlan) -> Callable[..., Any]:
-    """The function jax traces: `_graph`'s steps 2 and 3 around ``fun``."""
+    """The function jax traces: the call path's steps 2 and 3 (`inside`) around ``fun``."""
 
     @checked_on_fast_calls
     def inner(donated: list[Leaf], kept: list[Leaf]) -> tuple[Any, list[Leaf], list[Leaf]]:

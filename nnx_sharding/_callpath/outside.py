@@ -1,4 +1,4 @@
-"""The call path shared by every transform: split a call into arrays, merge it back.
+"""The call path's steps 1 and 4, outside the program: split a call into arrays, merge it back.
 
 A call ``f(*args, **kwargs)`` whose arguments hold NNX graph nodes crosses the
 jax boundary in four steps, flax's ``update_context`` protocol (public API):
@@ -13,7 +13,7 @@ jax boundary in four steps, flax's ``update_context`` protocol (public API):
 4. ``merge_call`` (outside): updates and structure changes are written into the
    caller's objects; outputs that are input objects come back as those objects.
 
-Steps 2 and 3 are `_graph_inner`'s; this module holds the plans and steps 1 and 4.
+Steps 2 and 3 are `inside`'s; this module holds the plans and steps 1 and 4.
 ``split_call`` and ``merge_call`` must run inside ``nnx.update_context(TAG)``.
 """
 
@@ -131,12 +131,12 @@ class OutPlan:
 
     @property
     def fast(self) -> bool:
-        """Whether `_cache.Entry.merge` can stand in for `merge_call`."""
+        """Whether `cache.Entry.merge` can stand in for `merge_call`."""
         return self.in_changed is not None and self.out_sources is not None
 
 
 class NeedsTrace(Exception):
-    """Raised at trace time during a fast-path call (see `_cache`): redo it in full."""
+    """Raised at trace time during a fast-path call (see `cache`): redo it in full."""
 
 
 class _FastCall(threading.local):
@@ -151,7 +151,7 @@ Inner: TypeAlias = Callable[[list[Leaf], list[Leaf]], tuple[OutPlan, list[Leaf],
 
 def checked_on_fast_calls(inner: Inner) -> Inner:
     """``inner``, raising `NeedsTrace` at the end of a trace made during a fast call
-    (`_cache.fast_call`) whose `OutPlan` the fast path cannot write back.
+    (`cache.fast_call`) whose `OutPlan` the fast path cannot write back.
 
     The trace is checked afterwards, not refused at once: once a trace raises, jax runs
     every later call with those argument types on its Python path, and a call whose
@@ -329,7 +329,7 @@ def merge_call(
     """Step 4 (outside): write updates into the caller's objects, build the output.
 
     ``leaves`` are the flat leaves the call was made with. Every Variable of the
-    inputs is written, as flax writes them: `_boundary.check_writable` first.
+    inputs is written, as flax writes them: `boundary.check_writable` first.
     """
     with nnx.merge_context(TAG, inner=False) as ctx:
         return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)

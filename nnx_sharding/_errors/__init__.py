@@ -11,11 +11,11 @@ objects (`_objects`), the tools around them (`_tools`) and checkpoints
 
 from ._checkpoint import *  # noqa: F403
 from ._layout import format_message as format_message
-from ._simple import *  # noqa: F403
 from ._objects import *  # noqa: F403
 from ._partial import *  # noqa: F403
 from ._plan import *  # noqa: F403
 from ._plan_hardware import *  # noqa: F403
 from ._prefixes import *  # noqa: F403
+from ._simple import *  # noqa: F403
 from ._tools import *  # noqa: F403
 from ._transforms import *  # noqa: F403

@@ -1,6 +1,6 @@
 """The fast path: reuse a call's split while its module graphs stay unchanged.
 
-The full protocol (`_graph`) walks every object graph twice per call. When the
+The full protocol (`outside`) walks every object graph twice per call. When the
 same modules come back with the same structure, the split is known already: the
 flat list of Variables, the plan and the jitted function. An `Entry` keeps them,
 with a `Snapshot` that proves "unchanged" at C speed: the identity of every value
@@ -10,9 +10,9 @@ A call takes the fast path (`fast_call`) only when the trace that jax will reuse
 reported no structure change (`OutPlan.fast`), at the jax trace level the split was
 cached at (outside any jax transform, where its Variables may be written). Should
 jax need a new trace during a fast call (new shapes, say), the trace runs to its end
-and raises `NeedsTrace` if its plan is not fast (`_graph.checked_on_fast_calls`),
+and raises `NeedsTrace` if its plan is not fast (`outside.checked_on_fast_calls`),
 before the program runs; the call is then redone on the full protocol.
-`_call.CachedCall` (every transform) and `_stages.Compiled` call through here.
+`call.CachedCall` (every transform) and `_stages.Compiled` call through here.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def remember(
     items: list[Any],
     roots: list[Any],
 ) -> None:
-    """Caches a call's split (``items`` from `_graph.split_call`), if it can be."""
+    """Caches a call's split (``items`` from `outside.split_call`), if it can be."""
     if key is None or not state.fast:  # a plan that changes structure is never fast again
         return
     slots, offset = [], 0
@@ -170,7 +170,7 @@ def remember(
 
 
 class Entry:
-    """A cached split: what `_graph.split_call` would return, minus the walk."""
+    """A cached split: what `outside.split_call` would return, minus the walk."""
 
     def __init__(
         self,
@@ -259,7 +259,7 @@ class Entry:
         """Writes the changed Variables and arrays back and builds the output.
 
         Returns `UNWRITTEN`, having written nothing, where flax's merge would do more
-        than store an array (`_slots.attribute_writer`): then the
+        than store an array (`slots.attribute_writer`): then the
         caller merges in full (`fast_call`), and later calls of this plan take the full path.
         """
         assert out_plan.in_changed is not None and out_plan.out_sources is not None
@@ -344,7 +344,7 @@ class Leaves:
         self._keys: list[Any] = []
         self._positions: list[int] = []  # in the snapshot
         self._owners: list[Any] = []
-        self._names: list[str | None] = []  # `_slots.attribute_writer`'s
+        self._names: list[str | None] = []  # `slots.attribute_writer`'s
         if not found:
             return
         wanted = set(found)
@@ -390,7 +390,7 @@ class Leaves:
 
 
 class LeafWriter:
-    """Stores new arrays in module attributes, as flax's merge does (`_slots`)."""
+    """Stores new arrays in module attributes, as flax's merge does (`slots`)."""
 
     def __init__(
         self, snapshot: Snapshot, owners: list[Any], names: list[Any], positions: list[int]
@@ -410,7 +410,7 @@ class LeafWriter:
 
 def _graph_leaves(plan: CallPlan, roots: list[Any]) -> dict[int, tuple[Any, tuple[Any, ...], Leaf]]:
     """``flat input index -> (root, path, leaf)`` for every leaf of the graph nodes, as
-    `_graph.split_call` flattens them (one split context: shared nodes once)."""
+    `outside.split_call` flattens them (one split context: shared nodes once)."""
     found: dict[int, tuple[Any, tuple[Any, ...], Leaf]] = {}
     nodes, offset = iter(roots), 0
     with nnx.split_context() as ctx:

@@ -1,6 +1,6 @@
 """`same_objects`: whether two lists hold the very same objects, compared in one step.
 
-Why: on every fast call the `_snapshot` proves that no container of the graphs gained,
+Why: on every fast call the `snapshot` proves that no container of the graphs gained,
 lost or replaced a value: the identity of each of ~2,800 values for a depth-100 MLP. In
 Python that is ``all(map(operator.is_, xs, ys))``, 25-30 ns a value (a function call per
 pair). A list's ``==`` is quicker, but it compares two different objects by their ``==``,

@@ -1,13 +1,13 @@
 """Direct access to a Variable's slots: the one place that touches flax internals.
 
-Why: on the fast path (`_snapshot`, `_cache`) every call reads every Variable's metadata
+Why: on the fast path (`snapshot`, `cache`) every call reads every Variable's metadata
 and value, and writes the values the program changed. flax's public methods cost more
 than jax's own dispatch for a large model: ``get_metadata()`` copies the dict (0.44 µs a
 Variable: 260 µs a call for the 602 Variables of a depth-100 MLP), and ``set_raw_value``
 checks the trace level on every write (2.3 µs a Variable: 1.4 ms a train step). Here
 the snapshot compares each Variable's live metadata dict with a copy (one C-level list
 comparison), values are read and written through the slot, and flax's trace-level
-guarantee is kept by one check per call (`_cache.fast_call` compares jax's trace state
+guarantee is kept by one check per call (`cache.fast_call` compares jax's trace state
 with the one the split was cached at, where the full path's writes were allowed).
 
 The layout is probed once, at import (`_probe`): the metadata slot holds a plain dict

@@ -79,7 +79,7 @@ class Snapshot:
             else:  # a pytree that is no graph node: its fields may be set in place
                 self._pytrees.append((obj, *_children(obj)))
         # Each Variable's metadata, compared by value with a copy taken now: read as the
-        # live dict (`_slots`), else as flax's copy of it.
+        # live dict (`slots`), else as flax's copy of it.
         self._read_metadata = _slots.metadata_dict if _slots.DIRECT else _metadata
         self._metadata = _copies(map(self._read_metadata, self._variables))
         self._keys, self._values = self._read()
@@ -145,7 +145,7 @@ class Snapshot:
             return False
         # Every value's identity, in one step: the objects the dicts refer to, as the
         # garbage collector lists them (each dict's values, in its own order), against
-        # those listed when last seen (`_pointers`). Else the values in the dicts' order.
+        # those listed when last seen (`pointers`). Else the values in the dicts' order.
         if self._refs is not None and same_objects(gc.get_referents(*self._dicts), self._refs):
             return True
         values = [*self._iter_values()]

@@ -6,9 +6,9 @@ writes the values the program changed back into those same Variables. Their stru
 is taken as fixed: a Variable or submodule attached after `jit_partial` is not seen,
 and a structure change made inside the function is not written back. In exchange a
 call costs little more than a ``jax.jit`` call over the flat arrays: one C-level read
-of the values, jax's dispatch, one C-level write of the changed values (`_slots`).
+of the values, jax's dispatch, one C-level write of the changed values (`slots`).
 
-The split and merge are `_graph`'s (``nnx.split_context``/``merge_context``), so graph
+The split and merge are `outside`'s (``nnx.split_context``/``merge_context``), so graph
 mode keeps shared Variables shared; tree mode (``graph=False``) refuses them, as flax.
 """
 

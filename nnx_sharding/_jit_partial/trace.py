@@ -1,6 +1,6 @@
 """The program `jit_partial` has jax trace, and the output rebuilt from its result.
 
-`make_inner` merges the partial arguments (split once, `_partial_split`) from the
+`make_inner` merges the partial arguments (split once, `split`) from the
 values of the call, runs the function, and returns the Variables' values it changed
 (pinned to their in_shardings) with the output split into leaves; `_split_output`
 refuses an output that holds a partial argument's Variable (other than the argument

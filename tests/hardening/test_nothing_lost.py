@@ -195,7 +195,7 @@ def sharded_jit(fun, **options):
 RUN_TIME_TRANSFORMS = [
     pytest.param(nnx_sharding.jit, id="jit"),
     # Programs on several devices run asynchronously: the call waits for them only
-    # because they have a host callback (`_cache.PlanState.wait`).
+    # because they have a host callback (`cache.PlanState.wait`).
     pytest.param(sharded_jit, id="jit_on_8_devices"),
     pytest.param(replicated_shard_map, id="shard_map"),
 ]
