@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
 
 import jax
 from flax import nnx
 
 from . import _errors
-from ._callpath.argnums import check_argnums, check_overlap, resolve_argnums, shift_argnums
+from ._callpath.argnums import COMPILER_KEYWORDS, JIT_DEFAULTS, read_argnums, shift_argnums
 from ._callpath.call import CachedCall, PartialRun
 from ._callpath.jit_body import make_inner
 from ._callpath.outside import CallPlan, CallSpec, partition_args
@@ -35,22 +35,13 @@ class JitWrapped(CachedCall[P, R]):
     take the same arguments and return the stage objects or abstract outputs.
     """
 
-    def __init__(
-        self,
-        fun: Callable[P, R],
-        *,
-        in_shardings: Shardings = None,
-        out_shardings: Shardings = None,
-        static_argnums: int | Sequence[int] | None = None,
-        static_argnames: str | Iterable[str] | None = None,
-        donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None,
-        keep_unused: bool = False,
-        device: Device | None = None,
-        backend: str | None = None,
-        inline: bool = False,
-        compiler_options: dict[str, Any] | None = None,
-    ):
+    def __init__(self, fun: Callable[P, R], **options: Any):
+        """``options``: ``jax.jit``'s keywords, as `jit` takes them (`JIT_DEFAULTS`)."""
+        if unknown := sorted(set(options) - set(JIT_DEFAULTS)):
+            raise TypeError(f"JitWrapped() got an unexpected keyword argument {unknown[0]!r}")
+        o = {**JIT_DEFAULTS, **options}
+        in_shardings, out_shardings = o["in_shardings"], o["out_shardings"]
+        static_argnums, donate_argnums = o["static_argnums"], o["donate_argnums"]
         if not callable(fun):
             raise TypeError(_errors.not_callable("jit", fun))
         owner = fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
@@ -60,16 +51,9 @@ class JitWrapped(CachedCall[P, R]):
                 shift_argnums(static_argnums),
                 shift_argnums(donate_argnums),
             )
-        argnums = dict(
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
-            donate_argnames=donate_argnames,
+        static, donate = read_argnums(
+            "jit", fun, {**o, "static_argnums": static_argnums, "donate_argnums": donate_argnums}
         )
-        check_argnums("jit", fun, argnums)
-        static = resolve_argnums(fun, static_argnums, static_argnames)
-        donate = resolve_argnums(fun, donate_argnums, donate_argnames)
-        check_overlap("jit", static, donate)
         in_shardings, out_shardings = prefixes("jit", in_shardings, out_shardings, static[0])
         spec = CallSpec(
             "jit",
@@ -82,13 +66,7 @@ class JitWrapped(CachedCall[P, R]):
         if owner is not None:
             self._bound = (owner,)
         self._partials = CachedPartials()  # for nnx.cached_partial's calls
-        self._jit_options = dict(
-            keep_unused=keep_unused,
-            device=device,
-            backend=backend,
-            inline=inline,
-            compiler_options=compiler_options,
-        )
+        self._jit_options = {k: o[k] for k in COMPILER_KEYWORDS}
 
     def _cached_partial(
         self, cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -118,21 +96,14 @@ class SimpleJitWrapped(JitWrapped[P, R]):
     def __init__(
         self,
         fun: Callable[P, R],
+        options: Mapping[str, Any],
         *,
-        in_shardings: Shardings = None,
-        out_shardings: Shardings = None,
-        static_argnums: int | Sequence[int] | None = None,
-        static_argnames: str | Iterable[str] | None = None,
-        donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None,
-        keep_unused: bool = False,
-        device: Device | None = None,
-        backend: str | None = None,
-        inline: bool = False,
-        compiler_options: dict[str, Any] | None = None,
-        graph: bool = False,
-        graph_updates: bool = False,
+        graph: bool,
+        graph_updates: bool,
     ):
+        """``options``: ``jax.jit``'s keywords (`JIT_DEFAULTS` fills the missing ones)."""
+        o = {**JIT_DEFAULTS, **options}
+        in_shardings, out_shardings = o["in_shardings"], o["out_shardings"]
         if not callable(fun):
             raise TypeError(_errors.not_callable("jit", fun))
         functools.update_wrapper(self, fun)
@@ -141,16 +112,7 @@ class SimpleJitWrapped(JitWrapped[P, R]):
             raise ValueError(_errors.bound_method_simple("jit", type(fun.__self__).__name__))
         self._bound: tuple[Any, ...] = ()
         self.fun = fun
-        argnums = dict(
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
-            donate_argnames=donate_argnames,
-        )
-        check_argnums("jit", fun, argnums)
-        static = resolve_argnums(fun, static_argnums, static_argnames)
-        donate = resolve_argnums(fun, donate_argnums, donate_argnames)
-        check_overlap("jit", static, donate)
+        static, donate = read_argnums("jit", fun, o)
         check_prefix("jit", "in_shardings", in_shardings, graph)
         check_prefix("jit", "out_shardings", out_shardings, graph)
         try:  # how `export` reads this function's arguments (as in the graph mode)
@@ -177,13 +139,6 @@ class SimpleJitWrapped(JitWrapped[P, R]):
         self._call = SimpleCall(
             "jit", fun, graph, {"args": arg_prefix, "kwargs": None}, groups, keep
         )
-        options: dict[str, Any] = dict(
-            keep_unused=keep_unused,
-            device=device,
-            backend=backend,
-            inline=inline,
-            compiler_options=compiler_options,
-        )
         call = self._call
 
         @functools.wraps(fun)
@@ -194,11 +149,7 @@ class SimpleJitWrapped(JitWrapped[P, R]):
             inner,
             in_shardings=in_shardings,
             out_shardings=(out_shardings, groups),
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
-            donate_argnames=donate_argnames,
-            **{k: v for k, v in options.items() if v},
+            **{k: o[k] for k in JIT_DEFAULTS if k not in ("in_shardings", "out_shardings")},
         )
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -354,6 +305,6 @@ def jit(
     def make(f: Callable[P, R]) -> JitWrapped[P, R]:
         if graph and graph_updates:
             return JitWrapped(f, **options)
-        return SimpleJitWrapped(f, **options, graph=graph, graph_updates=graph_updates)
+        return SimpleJitWrapped(f, options, graph=graph, graph_updates=graph_updates)
 
     return make if fun is None else make(fun)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
@@ -406,7 +406,7 @@ def shard_map(
         del options["auto"]
 
         def make(g: Callable[P, R]) -> ShardMapFn[P, R]:
-            return SimpleShardMapFn(g, **options, graph=graph)
+            return SimpleShardMapFn(g, options, graph=graph)
 
     else:
 
@@ -420,17 +420,12 @@ class SimpleShardMapFn(ShardMapFn[P, R]):
     """`ShardMapFn` on flax's simple path: ``graph=False`` (tree mode) or
     ``graph_updates=False`` (`simple`): one eager ``jax.shard_map``, as flax runs it."""
 
-    def __init__(
-        self,
-        fun: Callable[P, R],
-        *,
-        out_specs: Specs,
-        in_specs: Specs | None = None,
-        mesh: Mesh | AbstractMesh | None = None,
-        axis_names: Set[AxisName] = frozenset(),
-        check_vma: bool = True,
-        graph: bool = False,
-    ):
+    def __init__(self, fun: Callable[P, R], options: Mapping[str, Any], *, graph: bool):
+        """``options``: `shard_map`'s keywords (``out_specs``, ``in_specs``, ``mesh``,
+        ``axis_names``, ``check_vma``)."""
+        out_specs, in_specs = options["out_specs"], options.get("in_specs")
+        mesh, check_vma = options.get("mesh"), options.get("check_vma", True)
+        axis_names = options.get("axis_names", frozenset())
         if not callable(fun):
             raise TypeError(_errors.not_callable("shard_map", fun, "out_specs=P()"))
         if inspect.ismethod(fun) and is_node(fun.__self__):

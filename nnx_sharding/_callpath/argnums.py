@@ -75,3 +75,36 @@ def check_overlap(
     both = sorted(static[1] & donate[1]) or sorted(static[0] & donate[0])
     if both:
         raise ValueError(_errors.static_and_donated(transform, both))
+
+
+Argnums = tuple[frozenset[int], frozenset[str]]
+
+JIT_DEFAULTS: dict[str, Any] = dict(
+    in_shardings=None,
+    out_shardings=None,
+    static_argnums=None,
+    static_argnames=None,
+    donate_argnums=None,
+    donate_argnames=None,
+    keep_unused=False,
+    device=None,
+    backend=None,
+    inline=False,
+    compiler_options=None,
+)
+"""``jax.jit``'s keywords as `jit` and `jit_partial` take them, with their defaults."""
+
+COMPILER_KEYWORDS = ("keep_unused", "device", "backend", "inline", "compiler_options")
+"""The keywords of `JIT_DEFAULTS` that go to ``jax.jit`` unchanged."""
+
+
+def read_argnums(
+    transform: str, fun: Callable[..., Any], options: dict[str, Any]
+) -> tuple[Argnums, Argnums]:
+    """The static and the donated arguments of ``options`` (``jax.jit``'s keywords) as
+    (positions, names) each, checked against ``fun``'s signature and against each other."""
+    check_argnums(transform, fun, options)
+    static = resolve_argnums(fun, options.get("static_argnums"), options.get("static_argnames"))
+    donate = resolve_argnums(fun, options.get("donate_argnums"), options.get("donate_argnames"))
+    check_overlap(transform, static, donate)
+    return static, donate

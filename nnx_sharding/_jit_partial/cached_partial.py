@@ -128,17 +128,20 @@ def partial_of_jit(
     def shift(nums: frozenset[int]) -> tuple[int, ...]:
         return tuple(i - k + 1 for i in sorted(nums) if i >= k)
 
-    return JitPartialWrapped(
-        fun,
-        clones,
+    options = dict(
         static_argnums=shift(static_nums),
         static_argnames=tuple(n for n in static_names if n not in bound_names),
         donate_argnums=(0,) * bool(donated) + shift(donate_nums),
         donate_argnames=tuple(n for n in donate_names if n not in bound_names),
+        **jit_options,
+    )
+    return JitPartialWrapped(
+        fun,
+        clones,
+        options,
         graph=True,
         graph_updates=True,
         keep_structure=_KEEP,
         transform="jit",
         argument="args",
-        **jit_options,
     )

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
 from flax import nnx
 
 from .. import _errors
+from .._callpath.argnums import JIT_DEFAULTS
 from .._callpath.boundary import check_writable, host_callbacks
 from .._callpath.outside import Leaf
 from .._fastpath import slots as _slots
@@ -90,24 +91,18 @@ class JitPartialWrapped(Generic[R]):
         self,
         fun: Callable[..., R],
         partial_args: tuple[Any, ...],
+        options: Mapping[str, Any],
         *,
-        in_shardings: Any = None,
-        out_shardings: Any = None,
-        static_argnums: int | Sequence[int] | None = None,
-        static_argnames: str | Iterable[str] | None = None,
-        donate_argnums: int | Sequence[int] | None = None,
-        donate_argnames: str | Iterable[str] | None = None,
-        keep_unused: bool = False,
-        device: Device | None = None,
-        backend: str | None = None,
-        inline: bool = False,
         graph: bool | None = None,
         graph_updates: bool | None = None,
-        compiler_options: dict[str, Any] | None = None,
         keep_structure: str | None = None,
         transform: str = TRANSFORM,
         argument: str = "partial_args",
     ):
+        """``options``: ``jax.jit``'s keywords (`JIT_DEFAULTS` fills the missing ones)."""
+        o = {**JIT_DEFAULTS, **options}
+        in_shardings, out_shardings = o["in_shardings"], o["out_shardings"]
+        static_argnums, donate_argnums = o["static_argnums"], o["donate_argnums"]
         self._transform = transform
         self.n_partial = len(partial_args)
         if not callable(fun):
@@ -142,26 +137,20 @@ class JitPartialWrapped(Generic[R]):
         if 0 in _as_tuple(static_argnums):
             raise ValueError(_errors.partial_static(n))
         n_values = len(self._variables) + len(self._constants)
-        options: dict[str, Any] = dict(
-            static_argnums=_flat_argnums(static_argnums, n_values),
-            static_argnames=static_argnames,
-            donate_argnums=_flat_argnums(donate_argnums, n_values),
-            donate_argnames=donate_argnames,
-            keep_unused=keep_unused,
-            device=device,
-            backend=backend,
-            inline=inline,
-            compiler_options=compiler_options,
-        )
+        jit_options: dict[str, Any] = {
+            **{k: o[k] for k in JIT_DEFAULTS if k not in ("in_shardings", "out_shardings")},
+            "static_argnums": _flat_argnums(static_argnums, n_values),
+            "donate_argnums": _flat_argnums(donate_argnums, n_values),
+        }
         donated = 0 in _as_tuple(donate_argnums)
         if keep_structure is None and self.graph and self.graph_updates:
             keep_structure = _GRAPH_UPDATES
         shardings = split.partial_shardings()
         if isinstance(in_shardings, (tuple, list)):
             if any(s is not None for s in shardings) or any(s is not None for s in runtime):
-                options["in_shardings"] = (*shardings, *runtime)
+                jit_options["in_shardings"] = (*shardings, *runtime)
         elif in_shardings is not None:
-            options["in_shardings"] = in_shardings
+            jit_options["in_shardings"] = in_shardings
         inner = make_inner(
             fun, split, self.graph, donated, out_shardings, keep_structure, transform, argument
         )
@@ -174,7 +163,7 @@ class JitPartialWrapped(Generic[R]):
         signature = _inner_signature(fun, n, n_values)
         if signature is not None:
             flat.__signature__ = signature  # type: ignore[attr-defined]
-        self._jitted = jax.jit(flat, **options)
+        self._jitted = jax.jit(flat, **jit_options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         try:
@@ -324,9 +313,7 @@ def jit_partial(
     >>> bool(step(x, y) > step(x, y))  # model and optimizer are updated in place
     True
     """
-    return JitPartialWrapped(
-        fun,
-        partial_args,
+    options = dict(
         in_shardings=in_shardings,
         out_shardings=out_shardings,
         static_argnums=static_argnums,
@@ -337,6 +324,11 @@ def jit_partial(
         device=device,
         backend=backend,
         inline=inline,
+    )
+    return JitPartialWrapped(
+        fun,
+        partial_args,
+        options,
         graph=graph,
         graph_updates=graph_updates,
     )
