@@ -1,4 +1,4 @@
-"""Messages of `nnx_sharding.checkpoint`: save, restore and the Manager (issue 17)."""
+"""Messages of `nnx_sharding.checkpoint`: save, restore and the Manager."""
 
 from __future__ import annotations
 
