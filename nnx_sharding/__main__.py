@@ -22,7 +22,14 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 
-from ._cli.common import Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
+from ._cli.common import (
+    Parser,
+    add_devices_option,
+    cpu_devices_or_rerun,
+    mesh_axes,
+    mesh_text,
+    positive,
+)
 from ._cli.launch import DESCRIPTION as LAUNCH_DESCRIPTION
 from ._cli.launch import USAGE as LAUNCH_USAGE
 
@@ -82,12 +89,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--devices",
-        type=positive,
-        metavar="N",
-        help="simulated CPU devices (default: the mesh's size; without --mesh, 8)",
-    )
+    add_devices_option(parser)
     parser.add_argument(
         "--steps", type=positive, metavar="N", default=300, help="training steps (default: 300)"
     )

@@ -287,20 +287,9 @@ def jit(
     >>> forward(model, jnp.ones((1, 2))).shape
     (1, 3)
     """
+    given = locals()  # the keywords above, by name
+    options: dict[str, Any] = {name: given[name] for name in JIT_DEFAULTS}
     graph, graph_updates = resolve_mode(graph, graph_updates)  # once, as flax does
-    options: dict[str, Any] = dict(
-        in_shardings=in_shardings,
-        out_shardings=out_shardings,
-        static_argnums=static_argnums,
-        static_argnames=static_argnames,
-        donate_argnums=donate_argnums,
-        donate_argnames=donate_argnames,
-        keep_unused=keep_unused,
-        device=device,
-        backend=backend,
-        inline=inline,
-        compiler_options=compiler_options,
-    )
 
     def make(f: Callable[P, R]) -> JitWrapped[P, R]:
         if graph and graph_updates:

@@ -30,7 +30,14 @@ from .._metadata import shard
 from .._units import format_bytes
 from ..plan._decoder import CONFIGS, LOGICAL_AXES, Decoder, DecoderConfig, train_step
 from ..recipes._specs import make_mesh
-from .common import MESH_AXES, Parser, cpu_devices_or_rerun, mesh_axes, mesh_text, positive
+from .common import (
+    MESH_AXES,
+    Parser,
+    add_devices_option,
+    cpu_devices_or_rerun,
+    mesh_axes,
+    mesh_text,
+)
 
 AXES = MESH_AXES
 """The mesh axes the configs shard over: FSDP over ``data``, tensor parallelism over ``model``."""
@@ -231,12 +238,7 @@ def aot_main(argv: Sequence[str]) -> int:
     """
     parser = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--config", default="1b", help=f"one of {', '.join(CONFIGS)} (default: 1b)")
-    parser.add_argument(
-        "--devices",
-        type=positive,
-        metavar="N",
-        help="simulated CPU devices (default: the mesh's size; without --mesh, 8)",
-    )
+    add_devices_option(parser)
     parser.add_argument(
         "--mesh",
         type=mesh_axes,

@@ -131,3 +131,13 @@ def cpu_devices_or_rerun(count: int, argv: Sequence[str]) -> int | None:
     sys.stdout.flush()
     sys.stderr.flush()
     return subprocess.run(command, env=env, stdout=out, stderr=err).returncode
+
+
+def add_devices_option(parser: argparse.ArgumentParser) -> None:
+    """``--devices N``: how many simulated CPU devices a command runs on."""
+    parser.add_argument(
+        "--devices",
+        type=positive,
+        metavar="N",
+        help="simulated CPU devices (default: the mesh's size; without --mesh, 8)",
+    )

@@ -61,17 +61,29 @@ class PartialSplit:
         return by_index
 
 
-def split_partial(partial_args: tuple[Any, ...], prefix: Any, name: str) -> PartialSplit:
-    """Splits the partial arguments (graph nodes together: shared Variables stay one);
-    ``name``: what they are called in messages."""
-    keyed, treedef = jax.tree_util.tree_flatten_with_path(partial_args, is_leaf=is_node)
+def flatten_with_prefix(
+    tree: Any, name: str, prefix: Any, transform: str, argument: str, root: str
+) -> tuple[PyTreeDef, list[Any], list[str], list[Any]]:
+    """``tree`` flattened with graph nodes as leaves: its treedef, its leaves, where each
+    is (``name[0].layer``) and each one's entry of the sharding ``prefix`` (``argument``,
+    whose own paths start with ``root``), None everywhere without a prefix."""
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)
     wheres = [f"{name}{keystr(kp)}" for kp, _ in keyed]
     leaves = [leaf for _, leaf in keyed]
     entries: list[Any] = [None] * len(leaves)
     if prefix is not None:
         entries = broadcast_prefix(
-            TRANSFORM, "in_shardings", prefix, partial_args, lambda kp: f"in_shardings{keystr(kp)}"
+            transform, argument, prefix, tree, lambda kp: f"{root}{keystr(kp)}"
         )
+    return treedef, leaves, wheres, entries
+
+
+def split_partial(partial_args: tuple[Any, ...], prefix: Any, name: str) -> PartialSplit:
+    """Splits the partial arguments (graph nodes together: shared Variables stay one);
+    ``name``: what they are called in messages."""
+    treedef, leaves, wheres, entries = flatten_with_prefix(
+        partial_args, name, prefix, TRANSFORM, "in_shardings", "in_shardings"
+    )
     table = variable_shardings(
         TRANSFORM,
         "in_shardings",

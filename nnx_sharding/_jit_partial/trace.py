@@ -22,9 +22,9 @@ from .. import _errors
 from .._callpath.inside import snapshots
 from .._callpath.outside import Leaf, unflatten_all, value_of
 from .._nodes import format_path, is_node, is_variable
-from .._sharding import accept_flax, broadcast_prefix, variable_shardings
+from .._sharding import accept_flax, variable_shardings
 from .._types import PyTreeDef
-from .split import PartialSplit
+from .split import PartialSplit, flatten_with_prefix
 
 
 @jax.tree_util.register_static
@@ -140,14 +140,9 @@ def _split_output(
 
     An output that is a partial argument's graph node (``nodes``) comes back as that
     very object; any other output holding one of its Variables is an error."""
-    keyed, treedef = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_node)
-    wheres = [f"output{keystr(kp)}" for kp, _ in keyed]
-    leaves = [leaf for _, leaf in keyed]
-    entries: list[Any] = [None] * len(leaves)
-    if prefix is not None:
-        entries = broadcast_prefix(
-            transform, "out_shardings", prefix, out, lambda kp: f"output{keystr(kp)}"
-        )
+    treedef, leaves, wheres, entries = flatten_with_prefix(
+        out, "output", prefix, transform, "out_shardings", "output"
+    )
     sources = [
         next((k for k, n in enumerate(nodes) if n is leaf), None) if is_node(leaf) else None
         for leaf in leaves
