@@ -22,9 +22,9 @@ import numpy as np
 
 from .. import _errors
 from .._callpath.outside import CallSpec
-from .._nodes import is_node
+from .._nodes import is_node, is_variable
 from .jit_partial import JitPartialWrapped
-from .split import is_variable, split_partial
+from .split import split_partial
 
 MAX_CACHED = 8
 """`CachedPartials`' partials per jitted function (each holds its clones)."""

@@ -28,9 +28,10 @@ from .._callpath.boundary import check_writable, host_callbacks
 from .._callpath.outside import Leaf
 from .._fastpath import slots as _slots
 from .._fastpath.cache import trace_state
+from .._nodes import is_variable
 from .._sharding import accept_flax, incompatible_shardings, mismatched_shardings
 from .._types import Device
-from .split import TRANSFORM, check_tree_aliases, is_variable, split_partial
+from .split import TRANSFORM, check_tree_aliases, split_partial
 from .trace import Result, make_inner, rebuild_output
 
 R = TypeVar("R")
