@@ -10,6 +10,23 @@ def with_article(name: str) -> str:
     return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
+def listing(items: Sequence[object], at_most: int = 8) -> str:
+    """The first ``at_most`` items, comma-separated: ``a, b, c and 4 more``."""
+    items = list(items)
+    shown = ", ".join(map(str, items[:at_most]))
+    return shown + (f" and {len(items) - at_most} more" if len(items) > at_most else "")
+
+
+def quoted(names: Sequence[object], empty: str = "") -> str:
+    """Each name's repr, comma-separated: ``'data', 'model'``; ``empty`` when there is none."""
+    return ", ".join(repr(n) for n in names) or empty
+
+
+def jax_said(message: str) -> str:
+    """The first line of jax's own message, as a message quotes it."""
+    return f"(jax said: {message.splitlines()[0] if message else 'nothing'})"
+
+
 def format_message(
     transform: str,
     argument: str,

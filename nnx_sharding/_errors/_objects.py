@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message
+from ._layout import format_message, listing
 
 
 def static_graph_node(transform: str, argument: str, type_name: str) -> str:
@@ -22,11 +22,10 @@ def static_graph_node(transform: str, argument: str, type_name: str) -> str:
 
 
 def wrong_trace_level(transform: str, wheres: Sequence[str]) -> str:
-    shown = ", ".join(wheres[:5]) + (f" and {len(wheres) - 5} more" if len(wheres) > 5 else "")
     return format_message(
         transform,
         "arguments",
-        [f"Cannot mutate Variables from a different trace level: {shown}"],
+        [f"Cannot mutate Variables from a different trace level: {listing(wheres, 5)}"],
         "Rule: as in flax, the call writes its results back into its argument's Variables, "
         "which is not possible from inside an outer jax transform (jax.jit, jax.grad, "
         "jax.vmap) for Variables created outside it (a module the outer function closes "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message, with_article
+from ._layout import format_message, jax_said, quoted, with_article
 
 # Metadata, tables and inspection (issue 5) -----------------------------------------------------
 
@@ -45,7 +45,7 @@ def unknown_logical_axes(transform: str, problems: Sequence[str], known: Sequenc
         list(problems),
         "Rule: with rules given, every name in a Variable's sharding metadata (out_sharding, "
         "set by `nnx.with_partitioning`) is a logical axis name the rules map; rules map: "
-        + (", ".join(repr(k) for k in known) or "nothing")
+        + quoted(known, "nothing")
         + ".",
         [
             "add a pair `(name, mesh axis or None)` for each such name to rules;",
@@ -66,15 +66,13 @@ def unknown_mesh_axes(
     kept = [a for a in mesh_axes if a not in lacking][:1]
     names = (*kept, *lacking[:1]) or ("data", "model")
     shape = "(2, 4)" if len(names) == 2 else "(8,)"
-    example = (
-        f"jax.make_mesh({shape}, ({', '.join(repr(n) for n in names)}{',' * (len(names) == 1)}))"
-    )
+    example = f"jax.make_mesh({shape}, ({quoted(names)}{',' * (len(names) == 1)}))"
     return format_message(
         transform,
         argument,
         list(problems),
         "Rule: a Variable's sharding names axes of the mesh it is placed on; the mesh has "
-        + (", ".join(repr(a) for a in mesh_axes) or "no axes")
+        + quoted(mesh_axes, "no axes")
         + ".",
         [
             "map the logical name to an existing mesh axis (or None) in rules;",
@@ -102,8 +100,7 @@ def cannot_place(
         "tree",
         [f"the Variable at {path} cannot be placed: {detail}" for path, detail in misfits],
         "Rule: a sharding must fit its array: one spec entry per dimension at most and each "
-        f"sharded dimension divisible by its mesh axes' size. (jax said: "
-        f"{jax_message.splitlines()[0] if jax_message else 'nothing'})",
+        f"sharded dimension divisible by its mesh axes' size. {jax_said(jax_message)}",
         [
             change,
             "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
@@ -205,7 +202,7 @@ def aot_unknown_config(transform: str, name: str, known: Sequence[str]) -> str:
         transform,
         "config",
         [f"no config is named {name!r}"],
-        "Rule: the config is the name of one of: " + ", ".join(repr(k) for k in known) + ".",
+        f"Rule: the config is the name of one of: {quoted(known)}.",
         [f"name one of them, e.g. `{AOT_COMMAND} --config tiny`."],
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ._layout import format_message, with_article
+from ._layout import format_message, jax_said, quoted, with_article
 
 
 def no_filter_matched(
@@ -25,7 +25,7 @@ def no_filter_matched(
             for p, t in [(path, var_type), *more]
         ],
         "Rule: every Variable of a graph node needs a sharding; filters tried, in order: "
-        + ", ".join(repr(f) for f in filters)
+        + quoted(filters)
         + ".",
         [
             "add a filter that matches it, e.g. `(nnx.Param, P())`;",
@@ -89,7 +89,7 @@ def spec_value_not_a_sharding(filter_: object, value: object) -> str:
     """``value``: what was given; axis names (a str or a tuple of them) are shown wrapped."""
     names = value if isinstance(value, (tuple, list)) else (value,)
     if names and all(n is None or isinstance(n, str) for n in names):
-        wrapped = "P(" + ", ".join(repr(n) for n in names) + ")"
+        wrapped = f"P({quoted(names)})"
     else:
         wrapped = "P('model', None)"
     return format_message(
@@ -127,7 +127,7 @@ def misfit(where: str, shape: tuple[int, ...], sharding: object, detail: str) ->
 def bad_shardings(
     transform: str, argument: str, problems: Sequence[str], jax_message: str = ""
 ) -> str:
-    said = f" (jax said: {jax_message.splitlines()[0]})" if jax_message else ""
+    said = f" {jax_said(jax_message)}" if jax_message else ""
     return format_message(
         transform,
         argument,
@@ -174,7 +174,7 @@ def deleted_buffers(transform: str, wheres: Sequence[str], jax_message: str) -> 
         "Rule: donation consumes buffers: a call with donate_argnums/donate_argnames deletes "
         "the donated arrays and gives the argument's Variables new ones; any other "
         "reference to the old arrays (e.g. an `nnx.clone` of the donated module, which "
-        f"shares its buffers) can no longer be read. (jax said: {jax_message.splitlines()[0]})",
+        f"shares its buffers) can no longer be read. {jax_said(jax_message)}",
         [
             "read the donated module itself after the call, not a second reference kept from "
             "before it;",
@@ -389,9 +389,9 @@ def spec_axes_not_manual(
         argument,
         list(problems),
         "Rule: a spec names manual axes of the mesh; the mesh has "
-        + (", ".join(repr(a) for a in mesh_axes) or "no axes")
+        + quoted(mesh_axes, "no axes")
         + ", and the manual ones are "
-        + (", ".join(repr(a) for a in manual) or "none")
+        + quoted(manual, "none")
         + ".",
         [
             "correct the axis name, e.g. `P('data')`, or replicate with `P()`;",
