@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message, listing, with_article
+from ._layout import format_message, listing, mesh_fixes, with_article
 
 _SAVABLE_FIXES = {
     "node": "pass the modules themselves, e.g. `save(path, (model, optimizer))`;",
@@ -279,12 +279,16 @@ def unplaceable(transform: str, problems: Sequence[str]) -> str:
 
 def no_mesh_for_restore(transform: str, problems: Sequence[str], mesh_set: bool = False) -> str:
     """``mesh_set``: a mesh is set, but the abstract shardings are on another one."""
-    first = (
-        "make the target under the mesh restore runs under, e.g. `with jax.set_mesh(mesh): "
-        "target = nnx.eval_shape(...)`, or give shardings for it;"
-        if mesh_set
-        else "call restore inside `with jax.set_mesh(mesh):`;"
+    fixes = mesh_fixes(
+        "call restore",
+        "StateSharding({nnx.Param: NamedSharding(mesh, P('model')), "
+        "...: NamedSharding(mesh, P())})",
     )
+    if mesh_set:
+        fixes[0] = (
+            "make the target under the mesh restore runs under, e.g. `with jax.set_mesh(mesh): "
+            "target = nnx.eval_shape(...)`, or give shardings for it;"
+        )
     return format_message(
         transform,
         "shardings",
@@ -292,11 +296,7 @@ def no_mesh_for_restore(transform: str, problems: Sequence[str], mesh_set: bool 
         "Rule: restore places every array on devices; a PartitionSpec (from shardings or "
         "from sharding metadata) or a sharding on an abstract mesh is bound to the mesh set "
         "with `jax.set_mesh`, which must be that abstract mesh's.",
-        [
-            first,
-            "or give NamedShardings, e.g. `StateSharding({nnx.Param: NamedSharding(mesh, "
-            "P('model')), ...: NamedSharding(mesh, P())})`.",
-        ],
+        fixes,
     )
 
 

@@ -27,6 +27,15 @@ def jax_said(message: str) -> str:
     return f"(jax said: {message.splitlines()[0] if message else 'nothing'})"
 
 
+def mesh_fixes(action: str, example: str) -> list[str]:
+    """The two ways to bind PartitionSpecs to a mesh: ``action`` under `jax.set_mesh`, or
+    NamedShardings instead (``example``)."""
+    return [
+        f"{action} inside `with jax.set_mesh(mesh):`;",
+        f"or give NamedShardings, e.g. `{example}`.",
+    ]
+
+
 def format_message(
     transform: str,
     argument: str,

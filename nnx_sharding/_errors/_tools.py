@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message, jax_said, quoted, with_article
+from ._layout import format_message, jax_said, mesh_fixes, quoted, with_article
 
 # Metadata, tables and inspection (issue 5) -----------------------------------------------------
 
@@ -108,21 +108,38 @@ def cannot_place(
     )
 
 
-def spec_without_mesh(transform: str, found: Sequence[tuple[str, object]]) -> str:
-    """``found``: (path, PartitionSpec) of each Variable."""
+def _unbound_specs(
+    transform: str,
+    argument: str,
+    found: Sequence[tuple[str, str]],
+    rule: str,
+    action: str,
+    axis: str,
+) -> str:
+    """PartitionSpecs and no mesh to bind them to; ``found``: (the spec as shown, what it is
+    for); ``action``: what to do under a mesh; ``axis``: the example NamedSharding's axis."""
     return format_message(
         transform,
-        "shardings",
+        argument,
         [
-            f"the PartitionSpec {spec!r} for the Variable at {path} needs a mesh, and none is set"
-            for path, spec in found
+            f"the PartitionSpec {spec} for {what} needs a mesh, and none is set"
+            for spec, what in found
         ],
+        rule,
+        mesh_fixes(action, f"NamedSharding(mesh, P({axis!r}))"),
+    )
+
+
+def spec_without_mesh(transform: str, found: Sequence[tuple[str, object]]) -> str:
+    """``found``: (path, PartitionSpec) of each Variable."""
+    return _unbound_specs(
+        transform,
+        "shardings",
+        [(repr(spec), f"the Variable at {path}") for path, spec in found],
         "Rule: a PartitionSpec is bound to the mesh set with `jax.set_mesh`, as in jit's "
         "in_shardings.",
-        [
-            "call it inside `with jax.set_mesh(mesh):`;",
-            "or give NamedShardings, e.g. `NamedSharding(mesh, P('model'))`.",
-        ],
+        "call it",
+        "model",
     )
 
 
@@ -237,16 +254,14 @@ def aot_indivisible(transform: str, config: str, problems: Sequence[str]) -> str
 
 
 def export_spec_without_mesh(transform: str, spec: str, where: str) -> str:
-    return format_message(
+    return _unbound_specs(
         transform,
         "in_shardings",
-        [f"the PartitionSpec {spec} for {where} needs a mesh, and none is set"],
+        [(spec, where)],
         "Rule: an exported program records each argument's NamedSharding; a PartitionSpec "
         "is bound to the mesh set with `jax.set_mesh`.",
-        [
-            "export inside `with jax.set_mesh(mesh):`;",
-            "or give NamedShardings, e.g. `NamedSharding(mesh, P('data'))`.",
-        ],
+        "export",
+        "data",
     )
 
 
