@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+DYNAMIC_FIX = "pass it as a dynamic argument (drop it from static_argnums/static_argnames);"
+"""The first fix for a static argument that cannot be one."""
+
+PAD_FIX = "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis."
+"""The last fix for an array whose dimension its mesh axes do not divide."""
+
 
 def with_article(name: str) -> str:
     """``name`` with its indefinite article: ``an int``, ``a str``."""
@@ -34,6 +40,21 @@ def mesh_fixes(action: str, example: str) -> list[str]:
         f"{action} inside `with jax.set_mesh(mesh):`;",
         f"or give NamedShardings, e.g. `{example}`.",
     ]
+
+
+def bound_method_message(
+    transform: str, argument: str, type_name: str, rule: str, fixes: Sequence[str]
+) -> str:
+    """A bound method of a graph node (a ``type_name``) given as the function, which flax's
+    transforms refuse too."""
+    return format_message(
+        transform,
+        argument,
+        [f"a bound method of a graph node ({type_name})"],
+        rule,
+        fixes,
+        flax=f"nnx.{transform} does not support bound methods",
+    )
 
 
 def format_message(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message, listing
+from ._layout import DYNAMIC_FIX, bound_method_message, format_message, listing
 
 
 def static_graph_node(transform: str, argument: str, type_name: str) -> str:
@@ -15,7 +15,7 @@ def static_graph_node(transform: str, argument: str, type_name: str) -> str:
         "Rule: a static argument is compiled into the program as a constant; a graph "
         "node's Variables would be baked in, and their later updates ignored.",
         [
-            "pass it as a dynamic argument (drop it from static_argnums/static_argnames);",
+            DYNAMIC_FIX,
             "to keep part of it static, pass that plain value (a flag, a config) instead.",
         ],
     )
@@ -40,10 +40,10 @@ def wrong_trace_level(transform: str, wheres: Sequence[str]) -> str:
 
 
 def bound_method(transform: str, type_name: str) -> str:
-    return format_message(
+    return bound_method_message(
         transform,
         "f",
-        [f"a bound method of a graph node ({type_name})"],
+        type_name,
         "Rule: the module a method is bound to would be baked into the program as a "
         "constant (its later updates ignored), and in_specs has no entry for it.",
         [
@@ -51,5 +51,4 @@ def bound_method(transform: str, type_name: str) -> str:
             "entry for self first;",
             f"or call `nnx_sharding.{transform}(MyClass.method, ...)(instance, ...)`.",
         ],
-        flax=f"nnx.{transform} does not support bound methods",
     )

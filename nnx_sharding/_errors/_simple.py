@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._layout import format_message
+from ._layout import bound_method_message, format_message
 
 _ONE_SHARDING = "give the graph node one sharding (or PartitionSpec) for all its Variables."
 
@@ -106,10 +106,10 @@ def node_in_prefix_graph(transform: str, argument: str, where: str, node: Any) -
 
 def bound_method_simple(transform: str, type_name: str) -> str:
     """A bound method of a graph node given to jit on the simple path."""
-    return format_message(
+    return bound_method_message(
         transform,
         "fun",
-        [f"a bound method of a graph node ({type_name})"],
+        type_name,
         "Rule: with graph=False or graph_updates=False the module a method is bound to "
         "is not an argument, so its updates could not come back (flax refuses it too).",
         [
@@ -117,7 +117,6 @@ def bound_method_simple(transform: str, type_name: str) -> str:
             f"or call `nnx_sharding.{transform}(MyClass.method, ...)(instance, ...)`;",
             f"or use the full graph protocol: {_full(transform)}, which takes bound methods.",
         ],
-        flax=f"nnx.{transform} does not support bound methods",
     )
 
 

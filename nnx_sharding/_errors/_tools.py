@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message, jax_said, mesh_fixes, quoted, with_article
+from ._layout import PAD_FIX, format_message, jax_said, mesh_fixes, quoted, with_article
 
 # Metadata, tables and inspection (issue 5) -----------------------------------------------------
 
@@ -103,7 +103,7 @@ def cannot_place(
         f"sharded dimension divisible by its mesh axes' size. {jax_said(jax_message)}",
         [
             change,
-            "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
+            PAD_FIX,
         ],
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ._layout import format_message, jax_said, quoted, with_article
+from ._layout import DYNAMIC_FIX, PAD_FIX, format_message, jax_said, quoted, with_article
 
 
 def no_filter_matched(
@@ -108,7 +108,7 @@ def bad_static(transform: str, argument: str, type_name: str, err: str) -> str:
         [f"the static argument of type {type_name} is not hashable ({err})"],
         "Rule: static arguments are part of the compilation key, so they must be hashable.",
         [
-            "pass it as a dynamic argument (drop it from static_argnums/static_argnames);",
+            DYNAMIC_FIX,
             "convert it to a hashable value (a tuple instead of a list, a frozen dataclass).",
         ],
         flax="Non-hashable static arguments are not supported",
@@ -136,7 +136,7 @@ def bad_shardings(
         "axes that exist, and each sharded dimension divisible by its mesh axes' size." + said,
         [
             "change the filter or spec for these Variables (None or P() replicates them);",
-            "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
+            PAD_FIX,
         ],
     )
 
