@@ -33,6 +33,19 @@ def jax_said(message: str) -> str:
     return f"(jax said: {message.splitlines()[0] if message else 'nothing'})"
 
 
+def argument_differences(missing: Sequence[str], extra: Sequence[str], made: str) -> str:
+    """``a is missing; b is not among the arguments it was <made> for``: how a call's
+    arguments differ from those a program was made (lowered, exported) for."""
+    parts = [f"{w} is missing" for w in missing]
+    parts += [f"{w} is not among the arguments it was {made} for" for w in extra]
+    return "; ".join(parts)
+
+
+def wrap_in_spec(example: str) -> str:
+    """The fix for mesh axis names given where a PartitionSpec belongs."""
+    return f"wrap mesh axis names in PartitionSpec, e.g. `{example}`."
+
+
 def mesh_fixes(action: str, example: str) -> list[str]:
     """The two ways to bind PartitionSpecs to a mesh: ``action`` under `jax.set_mesh`, or
     NamedShardings instead (``example``)."""

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import PAD_FIX, format_message, jax_said, mesh_fixes, quoted, with_article
+from ._layout import (
+    PAD_FIX,
+    argument_differences,
+    format_message,
+    jax_said,
+    mesh_fixes,
+    quoted,
+    with_article,
+)
 
 # Metadata, tables and inspection (issue 5) -----------------------------------------------------
 
@@ -287,9 +295,7 @@ def export_structure_mismatch(
     extra: Sequence[str] = (),
 ) -> str:
     """``missing``/``extra``: the arguments the call lacks or has beyond the program's."""
-    parts = [f"{w} is missing" for w in missing]
-    parts += [f"{w} is not among the arguments it was exported for" for w in extra]
-    detail = f": {'; '.join(parts)}" if parts else ""
+    detail = f": {argument_differences(missing, extra, 'exported')}" if missing or extra else ""
     return format_message(
         transform,
         "arguments",

@@ -5,7 +5,16 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ._layout import DYNAMIC_FIX, PAD_FIX, format_message, jax_said, quoted, with_article
+from ._layout import (
+    DYNAMIC_FIX,
+    PAD_FIX,
+    argument_differences,
+    format_message,
+    jax_said,
+    quoted,
+    with_article,
+    wrap_in_spec,
+)
 
 
 def no_filter_matched(
@@ -97,7 +106,7 @@ def spec_value_not_a_sharding(filter_: object, value: object) -> str:
         "spec",
         [f"the value for filter {filter_!r} is {with_article(type(value).__name__)}"],
         "Rule: each value is a jax.sharding.Sharding, a PartitionSpec or None.",
-        [f"wrap mesh axis names in PartitionSpec, e.g. `{wrapped}`."],
+        [wrap_in_spec(wrapped)],
     )
 
 
@@ -269,9 +278,7 @@ def not_callable(
 
 def argument_structure(missing: Sequence[str], extra: Sequence[str]) -> str:
     """A problem for `structure_mismatch`: arguments missing or not expected."""
-    parts = [f"{w} is missing" for w in missing]
-    parts += [f"{w} is not among the arguments it was lowered for" for w in extra]
-    return "the argument structure differs: " + "; ".join(parts)
+    return "the argument structure differs: " + argument_differences(missing, extra, "lowered")
 
 
 def compiled_difference(path: str, kind: str, here: object = None, there: object = None) -> str:
