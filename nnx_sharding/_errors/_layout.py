@@ -1,4 +1,8 @@
-"""The layout every message follows: ``transform: argument: problem``, a rule, fixes."""
+"""The layout every message follows: ``transform: argument: problem``, a rule, fixes.
+
+Also the pieces that the messages of several areas share, word for word: listings,
+fixes, problems (each module imports them from here).
+"""
 
 from __future__ import annotations
 
