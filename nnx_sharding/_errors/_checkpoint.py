@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message, with_article
-
-
-def _listing(names: Sequence[str], at_most: int = 8) -> str:
-    shown = ", ".join(names[:at_most])
-    return shown + (f" and {len(names) - at_most} more" if len(names) > at_most else "")
-
+from ._layout import format_message, listing, mesh_fixes, with_article
 
 _SAVABLE_FIXES = {
     "node": "pass the modules themselves, e.g. `save(path, (model, optimizer))`;",
@@ -71,7 +65,7 @@ def overwrite_foreign(transform: str, directory: str, found: Sequence[str] | Non
     problem = (
         f"{directory} is a file, not a directory"
         if found is None
-        else f"{directory} exists and holds {_listing(list(found))}, which is not a "
+        else f"{directory} exists and holds {listing(found)}, which is not a "
         "checkpoint written by nnx_sharding.checkpoint"
     )
     return format_message(
@@ -123,14 +117,11 @@ def foreign_checkpoint(
 ) -> str:
     """``found``: what the directory holds; None when it is a file."""
     if steps:
-        problem = (
-            f"{directory} holds the Manager steps {_listing([str(s) for s in steps])}, not one "
-            "checkpoint"
-        )
+        problem = f"{directory} holds the Manager steps {listing(steps)}, not one checkpoint"
     elif found is None:
         problem = f"{directory} is a file, not a checkpoint directory"
     else:
-        held = _listing(list(found)) if found else "nothing"
+        held = listing(found) if found else "nothing"
         problem = (
             f"{directory} is not a checkpoint written by nnx_sharding.checkpoint (it holds {held})"
         )
@@ -177,7 +168,7 @@ def unknown_step(transform: str, directory: str, step: int, steps: Sequence[int]
         "step",
         [f"no committed checkpoint for step {step} exists in {directory}"],
         "Rule: restore reads a step the Manager has committed; it has "
-        + (_listing([str(s) for s in steps]) if steps else "none")
+        + (listing(steps) if steps else "none")
         + " (max_to_keep deletes the oldest).",
         [
             "pass one of those steps, or step=None for the latest;",
@@ -288,12 +279,16 @@ def unplaceable(transform: str, problems: Sequence[str]) -> str:
 
 def no_mesh_for_restore(transform: str, problems: Sequence[str], mesh_set: bool = False) -> str:
     """``mesh_set``: a mesh is set, but the abstract shardings are on another one."""
-    first = (
-        "make the target under the mesh restore runs under, e.g. `with jax.set_mesh(mesh): "
-        "target = nnx.eval_shape(...)`, or give shardings for it;"
-        if mesh_set
-        else "call restore inside `with jax.set_mesh(mesh):`;"
+    fixes = mesh_fixes(
+        "call restore",
+        "StateSharding({nnx.Param: NamedSharding(mesh, P('model')), "
+        "...: NamedSharding(mesh, P())})",
     )
+    if mesh_set:
+        fixes[0] = (
+            "make the target under the mesh restore runs under, e.g. `with jax.set_mesh(mesh): "
+            "target = nnx.eval_shape(...)`, or give shardings for it;"
+        )
     return format_message(
         transform,
         "shardings",
@@ -301,11 +296,7 @@ def no_mesh_for_restore(transform: str, problems: Sequence[str], mesh_set: bool 
         "Rule: restore places every array on devices; a PartitionSpec (from shardings or "
         "from sharding metadata) or a sharding on an abstract mesh is bound to the mesh set "
         "with `jax.set_mesh`, which must be that abstract mesh's.",
-        [
-            first,
-            "or give NamedShardings, e.g. `StateSharding({nnx.Param: NamedSharding(mesh, "
-            "P('model')), ...: NamedSharding(mesh, P())})`.",
-        ],
+        fixes,
     )
 
 
@@ -316,8 +307,8 @@ def mixed_target(
         transform,
         "target",
         [
-            f"{_listing(list(abstract_paths), 3)} abstract (jax.ShapeDtypeStruct), but "
-            f"{_listing(list(concrete_paths), 3)} concrete"
+            f"{listing(abstract_paths, 3)} abstract (jax.ShapeDtypeStruct), but "
+            f"{listing(concrete_paths, 3)} concrete"
         ],
         "Rule: a target is abstract (restore returns a new tree) or concrete (restore "
         "updates it in place), not both: in a mixed one, the concrete part would not be "
@@ -427,7 +418,7 @@ def manager_foreign(transform: str, directory: str, found: Sequence[str]) -> str
         transform,
         "directory",
         [
-            f"{directory} holds {_listing(list(found))}, which a Manager did not write "
+            f"{directory} holds {listing(found)}, which a Manager did not write "
             "(a Manager's directory holds numbered steps only)"
         ],
         "Rule: a Manager writes its steps into a new or empty directory, or one it wrote "

@@ -1,13 +1,77 @@
-"""The layout every message follows: ``transform: argument: problem``, a rule, fixes."""
+"""The layout every message follows: ``transform: argument: problem``, a rule, fixes.
+
+Also the pieces that the messages of several areas share, word for word: listings,
+fixes, problems (each module imports them from here).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+DYNAMIC_FIX = "pass it as a dynamic argument (drop it from static_argnums/static_argnames);"
+"""The first fix for a static argument that cannot be one."""
+
+PAD_FIX = "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis."
+"""The last fix for an array whose dimension its mesh axes do not divide."""
+
 
 def with_article(name: str) -> str:
     """``name`` with its indefinite article: ``an int``, ``a str``."""
     return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def listing(items: Sequence[object], at_most: int = 8) -> str:
+    """The first ``at_most`` items, comma-separated: ``a, b, c and 4 more``."""
+    items = list(items)
+    shown = ", ".join(map(str, items[:at_most]))
+    return shown + (f" and {len(items) - at_most} more" if len(items) > at_most else "")
+
+
+def quoted(names: Sequence[object], empty: str = "") -> str:
+    """Each name's repr, comma-separated: ``'data', 'model'``; ``empty`` when there is none."""
+    return ", ".join(repr(n) for n in names) or empty
+
+
+def jax_said(message: str) -> str:
+    """The first line of jax's own message, as a message quotes it."""
+    return f"(jax said: {message.splitlines()[0] if message else 'nothing'})"
+
+
+def argument_differences(missing: Sequence[str], extra: Sequence[str], made: str) -> str:
+    """``a is missing; b is not among the arguments it was <made> for``: how a call's
+    arguments differ from those a program was made (lowered, exported) for."""
+    parts = [f"{w} is missing" for w in missing]
+    parts += [f"{w} is not among the arguments it was {made} for" for w in extra]
+    return "; ".join(parts)
+
+
+def wrap_in_spec(example: str) -> str:
+    """The fix for mesh axis names given where a PartitionSpec belongs."""
+    return f"wrap mesh axis names in PartitionSpec, e.g. `{example}`."
+
+
+def mesh_fixes(action: str, example: str) -> list[str]:
+    """The two ways to bind PartitionSpecs to a mesh: ``action`` under `jax.set_mesh`, or
+    NamedShardings instead (``example``)."""
+    return [
+        f"{action} inside `with jax.set_mesh(mesh):`;",
+        f"or give NamedShardings, e.g. `{example}`.",
+    ]
+
+
+def bound_method_message(
+    transform: str, argument: str, type_name: str, rule: str, fixes: Sequence[str]
+) -> str:
+    """A bound method of a graph node (a ``type_name``) given as the function, which flax's
+    transforms refuse too."""
+    return format_message(
+        transform,
+        argument,
+        [f"a bound method of a graph node ({type_name})"],
+        rule,
+        fixes,
+        flax=f"nnx.{transform} does not support bound methods",
+    )
 
 
 def format_message(

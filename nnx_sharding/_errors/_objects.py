@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message
+from ._layout import DYNAMIC_FIX, bound_method_message, format_message, listing
 
 
 def static_graph_node(transform: str, argument: str, type_name: str) -> str:
@@ -15,18 +15,17 @@ def static_graph_node(transform: str, argument: str, type_name: str) -> str:
         "Rule: a static argument is compiled into the program as a constant; a graph "
         "node's Variables would be baked in, and their later updates ignored.",
         [
-            "pass it as a dynamic argument (drop it from static_argnums/static_argnames);",
+            DYNAMIC_FIX,
             "to keep part of it static, pass that plain value (a flag, a config) instead.",
         ],
     )
 
 
 def wrong_trace_level(transform: str, wheres: Sequence[str]) -> str:
-    shown = ", ".join(wheres[:5]) + (f" and {len(wheres) - 5} more" if len(wheres) > 5 else "")
     return format_message(
         transform,
         "arguments",
-        [f"Cannot mutate Variables from a different trace level: {shown}"],
+        [f"Cannot mutate Variables from a different trace level: {listing(wheres, 5)}"],
         "Rule: as in flax, the call writes its results back into its argument's Variables, "
         "which is not possible from inside an outer jax transform (jax.jit, jax.grad, "
         "jax.vmap) for Variables created outside it (a module the outer function closes "
@@ -41,10 +40,10 @@ def wrong_trace_level(transform: str, wheres: Sequence[str]) -> str:
 
 
 def bound_method(transform: str, type_name: str) -> str:
-    return format_message(
+    return bound_method_message(
         transform,
         "f",
-        [f"a bound method of a graph node ({type_name})"],
+        type_name,
         "Rule: the module a method is bound to would be baked into the program as a "
         "constant (its later updates ignored), and in_specs has no entry for it.",
         [
@@ -52,5 +51,4 @@ def bound_method(transform: str, type_name: str) -> str:
             "entry for self first;",
             f"or call `nnx_sharding.{transform}(MyClass.method, ...)(instance, ...)`.",
         ],
-        flax=f"nnx.{transform} does not support bound methods",
     )

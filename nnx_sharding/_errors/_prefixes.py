@@ -7,7 +7,7 @@ from typing import Any
 
 from flax import nnx
 
-from ._layout import format_message, with_article
+from ._layout import format_message, with_article, wrap_in_spec
 
 
 def node_in_prefix(transform: str, argument: str, path: str, node: object) -> str:
@@ -116,7 +116,7 @@ def bad_prefix_entry(transform: str, argument: str, where: str, type_name: str) 
         argument,
         [f"found {with_article(type_name)} at {where}"],
         "Rule: each entry is a Sharding, a PartitionSpec, a StateSharding or None.",
-        ["wrap mesh axis names in PartitionSpec, e.g. `P('data')`."],
+        [wrap_in_spec("P('data')")],
         flax=f"{argument} argument must be a pytree of `jax.sharding.PartitionSpec` instances"
         if transform == "shard_map"
         else f"{argument} leaf specifications are expected to be PartitionSpec instances or None",

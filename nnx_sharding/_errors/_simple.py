@@ -4,9 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._layout import format_message
+from ._layout import bound_method_message, format_message
 
-_FULL = "graph=True, graph_updates=True"
+_ONE_SHARDING = "give the graph node one sharding (or PartitionSpec) for all its Variables."
+
+
+def _full(transform: str) -> str:
+    """The call with the full graph protocol (the default), as the fixes suggest it."""
+    return f"`nnx_sharding.{transform}(..., graph=True, graph_updates=True)`"
+
+
+def _prefix_entry(
+    transform: str,
+    argument: str,
+    what: str,
+    where: str,
+    rule: str,
+    fixes: list[str],
+    flax: str = "",
+) -> str:
+    """A prefix entry this path cannot take: ``what`` it is, at ``where`` (empty: the top)."""
+    return format_message(
+        transform, argument, [f"{what} at {where or 'the top'}"], rule, fixes, flax=flax
+    )
 
 
 def duplicate_variable(transform: str, first: str, second: str) -> str:
@@ -21,7 +41,7 @@ def duplicate_variable(transform: str, first: str, second: str) -> str:
         [
             "pass each Variable once, and return new objects instead of inputs;",
             "copy the second occurrence with `nnx.clone(...)` before the call;",
-            f"use the full graph protocol: `nnx_sharding.{transform}(..., {_FULL})` (the default).",
+            f"use the full graph protocol: {_full(transform)} (the default).",
         ],
         flax="with graph_updates=False does not support Variable aliasing",
     )
@@ -45,26 +65,25 @@ def captured_variable_returned(transform: str, where: str, variable: Any) -> str
 
 def state_sharding_simple(transform: str, argument: str, where: str) -> str:
     """A StateSharding in a prefix on the simple path."""
-    return format_message(
+    return _prefix_entry(
         transform,
         argument,
-        [f"a StateSharding at {where or 'the top'}"],
+        "a StateSharding",
+        where,
         "Rule: a StateSharding needs the graph protocol: it cannot be used with "
         "graph=False or graph_updates=False.",
-        [
-            f"use the full graph protocol: `nnx_sharding.{transform}(..., {_FULL})`;",
-            "give the graph node one sharding (or PartitionSpec) for all its Variables.",
-        ],
+        [f"use the full graph protocol: {_full(transform)};", _ONE_SHARDING],
         flax="cannot contain `StateSharding` objects when `graph=False` or `graph_updates=False`",
     )
 
 
 def variable_in_prefix(transform: str, argument: str, where: str, variable: Any) -> str:
     """A Variable as a prefix entry."""
-    return format_message(
+    return _prefix_entry(
         transform,
         argument,
-        [f"a {type(variable).__name__} at {where or 'the top'}"],
+        f"a {type(variable).__name__}",
+        where,
         "Rule: a prefix gives one sharding for a whole Variable, not a Variable.",
         ["put the Variable's sharding (or PartitionSpec) at its place instead."],
         flax="Variables prefixes are not supported",
@@ -73,53 +92,50 @@ def variable_in_prefix(transform: str, argument: str, where: str, variable: Any)
 
 def node_in_prefix_graph(transform: str, argument: str, where: str, node: Any) -> str:
     """A graph node as a prefix entry in graph mode."""
-    return format_message(
+    return _prefix_entry(
         transform,
         argument,
-        [f"a {type(node).__name__} at {where or 'the top'}"],
+        f"a {type(node).__name__}",
+        where,
         "Rule: in graph mode a prefix may not hold graph nodes (a tree prefix made with "
         "`nnx.prefix(..., graph=False)` is for tree mode).",
-        [
-            f"use tree mode: `nnx_sharding.{transform}(..., graph=False)`;",
-            "give the graph node one sharding (or PartitionSpec) for all its Variables.",
-        ],
+        [f"use tree mode: `nnx_sharding.{transform}(..., graph=False)`;", _ONE_SHARDING],
         flax="Graph nodes are not allowed as prefixes when graph=True",
     )
 
 
 def bound_method_simple(transform: str, type_name: str) -> str:
     """A bound method of a graph node given to jit on the simple path."""
-    return format_message(
+    return bound_method_message(
         transform,
         "fun",
-        [f"a bound method of a graph node ({type_name})"],
+        type_name,
         "Rule: with graph=False or graph_updates=False the module a method is bound to "
         "is not an argument, so its updates could not come back (flax refuses it too).",
         [
             f"decorate the method (`@nnx_sharding.{transform}(...)` in the class body);",
             f"or call `nnx_sharding.{transform}(MyClass.method, ...)(instance, ...)`;",
-            f"or use the full graph protocol: `nnx_sharding.{transform}(..., {_FULL})`, "
-            "which takes bound methods.",
+            f"or use the full graph protocol: {_full(transform)}, which takes bound methods.",
         ],
-        flax=f"nnx.{transform} does not support bound methods",
     )
 
 
 def graph_prefix_unsupported(transform: str, argument: str, where: str) -> str:
     """flax's graph-mode tree prefix (``nnx.prefix(..., graph=True)``)."""
-    return format_message(
+    return _prefix_entry(
         transform,
         argument,
-        [f"a prefix made by `nnx.prefix(..., graph=True)` at {where or 'the top'}"],
+        "a prefix made by `nnx.prefix(..., graph=True)`",
+        where,
         "Rule: nnx_sharding takes a prefix of a graph node's Variables as a StateSharding "
         "(graph=True, graph_updates=True) or as a tree prefix in tree mode (graph=False); "
         "flax's graph-mode tree prefix is not supported.",
         [
-            f"use the full graph protocol, `nnx_sharding.{transform}(..., {_FULL})`, with "
+            f"use the full graph protocol, {_full(transform)}, with "
             "`nnx_sharding.StateSharding(rules)` at that place;",
             f"or tree mode, `nnx_sharding.{transform}(..., graph=False)`, with "
             "`nnx.prefix(model, rules, graph=False)`;",
-            "or give the graph node one sharding (or PartitionSpec) for all its Variables.",
+            f"or {_ONE_SHARDING}",
         ],
     )
 
@@ -134,7 +150,7 @@ def aliased_prefixes_simple(transform: str, argument: str, conflicts: list[str])
         "get the same entry from each of them (None counts as an entry).",
         [
             "give every argument that reaches the Variable the same entry;",
-            f"or use the full graph protocol, `nnx_sharding.{transform}(..., {_FULL})`, "
+            f"or use the full graph protocol, {_full(transform)}, "
             "where None leaves the shared Variable to its other entry.",
         ],
         flax="Inconsistent aliasing detected",

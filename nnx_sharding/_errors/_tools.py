@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message, with_article
+from ._layout import (
+    PAD_FIX,
+    argument_differences,
+    format_message,
+    jax_said,
+    mesh_fixes,
+    quoted,
+    with_article,
+)
 
 # Metadata, tables and inspection (issue 5) -----------------------------------------------------
 
@@ -45,7 +53,7 @@ def unknown_logical_axes(transform: str, problems: Sequence[str], known: Sequenc
         list(problems),
         "Rule: with rules given, every name in a Variable's sharding metadata (out_sharding, "
         "set by `nnx.with_partitioning`) is a logical axis name the rules map; rules map: "
-        + (", ".join(repr(k) for k in known) or "nothing")
+        + quoted(known, "nothing")
         + ".",
         [
             "add a pair `(name, mesh axis or None)` for each such name to rules;",
@@ -66,15 +74,13 @@ def unknown_mesh_axes(
     kept = [a for a in mesh_axes if a not in lacking][:1]
     names = (*kept, *lacking[:1]) or ("data", "model")
     shape = "(2, 4)" if len(names) == 2 else "(8,)"
-    example = (
-        f"jax.make_mesh({shape}, ({', '.join(repr(n) for n in names)}{',' * (len(names) == 1)}))"
-    )
+    example = f"jax.make_mesh({shape}, ({quoted(names)}{',' * (len(names) == 1)}))"
     return format_message(
         transform,
         argument,
         list(problems),
         "Rule: a Variable's sharding names axes of the mesh it is placed on; the mesh has "
-        + (", ".join(repr(a) for a in mesh_axes) or "no axes")
+        + quoted(mesh_axes, "no axes")
         + ".",
         [
             "map the logical name to an existing mesh axis (or None) in rules;",
@@ -102,30 +108,46 @@ def cannot_place(
         "tree",
         [f"the Variable at {path} cannot be placed: {detail}" for path, detail in misfits],
         "Rule: a sharding must fit its array: one spec entry per dimension at most and each "
-        f"sharded dimension divisible by its mesh axes' size. (jax said: "
-        f"{jax_message.splitlines()[0] if jax_message else 'nothing'})",
+        f"sharded dimension divisible by its mesh axes' size. {jax_said(jax_message)}",
         [
             change,
-            "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
+            PAD_FIX,
         ],
+    )
+
+
+def _unbound_specs(
+    transform: str,
+    argument: str,
+    found: Sequence[tuple[str, str]],
+    rule: str,
+    action: str,
+    axis: str,
+) -> str:
+    """PartitionSpecs and no mesh to bind them to; ``found``: (the spec as shown, what it is
+    for); ``action``: what to do under a mesh; ``axis``: the example NamedSharding's axis."""
+    return format_message(
+        transform,
+        argument,
+        [
+            f"the PartitionSpec {spec} for {what} needs a mesh, and none is set"
+            for spec, what in found
+        ],
+        rule,
+        mesh_fixes(action, f"NamedSharding(mesh, P({axis!r}))"),
     )
 
 
 def spec_without_mesh(transform: str, found: Sequence[tuple[str, object]]) -> str:
     """``found``: (path, PartitionSpec) of each Variable."""
-    return format_message(
+    return _unbound_specs(
         transform,
         "shardings",
-        [
-            f"the PartitionSpec {spec!r} for the Variable at {path} needs a mesh, and none is set"
-            for path, spec in found
-        ],
+        [(repr(spec), f"the Variable at {path}") for path, spec in found],
         "Rule: a PartitionSpec is bound to the mesh set with `jax.set_mesh`, as in jit's "
         "in_shardings.",
-        [
-            "call it inside `with jax.set_mesh(mesh):`;",
-            "or give NamedShardings, e.g. `NamedSharding(mesh, P('model'))`.",
-        ],
+        "call it",
+        "model",
     )
 
 
@@ -205,7 +227,7 @@ def aot_unknown_config(transform: str, name: str, known: Sequence[str]) -> str:
         transform,
         "config",
         [f"no config is named {name!r}"],
-        "Rule: the config is the name of one of: " + ", ".join(repr(k) for k in known) + ".",
+        f"Rule: the config is the name of one of: {quoted(known)}.",
         [f"name one of them, e.g. `{AOT_COMMAND} --config tiny`."],
     )
 
@@ -240,16 +262,14 @@ def aot_indivisible(transform: str, config: str, problems: Sequence[str]) -> str
 
 
 def export_spec_without_mesh(transform: str, spec: str, where: str) -> str:
-    return format_message(
+    return _unbound_specs(
         transform,
         "in_shardings",
-        [f"the PartitionSpec {spec} for {where} needs a mesh, and none is set"],
+        [(spec, where)],
         "Rule: an exported program records each argument's NamedSharding; a PartitionSpec "
         "is bound to the mesh set with `jax.set_mesh`.",
-        [
-            "export inside `with jax.set_mesh(mesh):`;",
-            "or give NamedShardings, e.g. `NamedSharding(mesh, P('data'))`.",
-        ],
+        "export",
+        "data",
     )
 
 
@@ -275,9 +295,7 @@ def export_structure_mismatch(
     extra: Sequence[str] = (),
 ) -> str:
     """``missing``/``extra``: the arguments the call lacks or has beyond the program's."""
-    parts = [f"{w} is missing" for w in missing]
-    parts += [f"{w} is not among the arguments it was exported for" for w in extra]
-    detail = f": {'; '.join(parts)}" if parts else ""
+    detail = f": {argument_differences(missing, extra, 'exported')}" if missing or extra else ""
     return format_message(
         transform,
         "arguments",

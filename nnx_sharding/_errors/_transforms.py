@@ -5,7 +5,16 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ._layout import format_message, with_article
+from ._layout import (
+    DYNAMIC_FIX,
+    PAD_FIX,
+    argument_differences,
+    format_message,
+    jax_said,
+    quoted,
+    with_article,
+    wrap_in_spec,
+)
 
 
 def no_filter_matched(
@@ -25,7 +34,7 @@ def no_filter_matched(
             for p, t in [(path, var_type), *more]
         ],
         "Rule: every Variable of a graph node needs a sharding; filters tried, in order: "
-        + ", ".join(repr(f) for f in filters)
+        + quoted(filters)
         + ".",
         [
             "add a filter that matches it, e.g. `(nnx.Param, P())`;",
@@ -89,7 +98,7 @@ def spec_value_not_a_sharding(filter_: object, value: object) -> str:
     """``value``: what was given; axis names (a str or a tuple of them) are shown wrapped."""
     names = value if isinstance(value, (tuple, list)) else (value,)
     if names and all(n is None or isinstance(n, str) for n in names):
-        wrapped = "P(" + ", ".join(repr(n) for n in names) + ")"
+        wrapped = f"P({quoted(names)})"
     else:
         wrapped = "P('model', None)"
     return format_message(
@@ -97,7 +106,7 @@ def spec_value_not_a_sharding(filter_: object, value: object) -> str:
         "spec",
         [f"the value for filter {filter_!r} is {with_article(type(value).__name__)}"],
         "Rule: each value is a jax.sharding.Sharding, a PartitionSpec or None.",
-        [f"wrap mesh axis names in PartitionSpec, e.g. `{wrapped}`."],
+        [wrap_in_spec(wrapped)],
     )
 
 
@@ -108,7 +117,7 @@ def bad_static(transform: str, argument: str, type_name: str, err: str) -> str:
         [f"the static argument of type {type_name} is not hashable ({err})"],
         "Rule: static arguments are part of the compilation key, so they must be hashable.",
         [
-            "pass it as a dynamic argument (drop it from static_argnums/static_argnames);",
+            DYNAMIC_FIX,
             "convert it to a hashable value (a tuple instead of a list, a frozen dataclass).",
         ],
         flax="Non-hashable static arguments are not supported",
@@ -127,7 +136,7 @@ def misfit(where: str, shape: tuple[int, ...], sharding: object, detail: str) ->
 def bad_shardings(
     transform: str, argument: str, problems: Sequence[str], jax_message: str = ""
 ) -> str:
-    said = f" (jax said: {jax_message.splitlines()[0]})" if jax_message else ""
+    said = f" {jax_said(jax_message)}" if jax_message else ""
     return format_message(
         transform,
         argument,
@@ -136,7 +145,7 @@ def bad_shardings(
         "axes that exist, and each sharded dimension divisible by its mesh axes' size." + said,
         [
             "change the filter or spec for these Variables (None or P() replicates them);",
-            "pad the dimension to a multiple of the mesh axis size, or use a smaller mesh axis.",
+            PAD_FIX,
         ],
     )
 
@@ -174,7 +183,7 @@ def deleted_buffers(transform: str, wheres: Sequence[str], jax_message: str) -> 
         "Rule: donation consumes buffers: a call with donate_argnums/donate_argnames deletes "
         "the donated arrays and gives the argument's Variables new ones; any other "
         "reference to the old arrays (e.g. an `nnx.clone` of the donated module, which "
-        f"shares its buffers) can no longer be read. (jax said: {jax_message.splitlines()[0]})",
+        f"shares its buffers) can no longer be read. {jax_said(jax_message)}",
         [
             "read the donated module itself after the call, not a second reference kept from "
             "before it;",
@@ -269,9 +278,7 @@ def not_callable(
 
 def argument_structure(missing: Sequence[str], extra: Sequence[str]) -> str:
     """A problem for `structure_mismatch`: arguments missing or not expected."""
-    parts = [f"{w} is missing" for w in missing]
-    parts += [f"{w} is not among the arguments it was lowered for" for w in extra]
-    return "the argument structure differs: " + "; ".join(parts)
+    return "the argument structure differs: " + argument_differences(missing, extra, "lowered")
 
 
 def compiled_difference(path: str, kind: str, here: object = None, there: object = None) -> str:
@@ -389,9 +396,9 @@ def spec_axes_not_manual(
         argument,
         list(problems),
         "Rule: a spec names manual axes of the mesh; the mesh has "
-        + (", ".join(repr(a) for a in mesh_axes) or "no axes")
+        + quoted(mesh_axes, "no axes")
         + ", and the manual ones are "
-        + (", ".join(repr(a) for a in manual) or "none")
+        + quoted(manual, "none")
         + ".",
         [
             "correct the axis name, e.g. `P('data')`, or replicate with `P()`;",
