@@ -33,7 +33,7 @@ class Step:
     args: tuple[Any, ...]  # abstract: Variables and arrays hold ShapeDtypeStructs
     static: frozenset[int]
     options: dict[str, Any]
-    variables: dict[int, list[tuple[Path, nnx.Variable]]]  # per graph-node argument
+    variables: dict[int, list[tuple[Path, nnx.Variable[Any]]]]  # per graph-node argument
     tp: dict[int, dict[Path, P] | None]  # tensor-parallel specs per graph-node argument
     devices: Sequence[Any]
     compiler: str
