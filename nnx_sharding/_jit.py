@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
 
@@ -23,6 +22,7 @@ from ._graph import (
     partition_args,
 )
 from ._jit_inner import make_inner
+from ._nodes import bound_node
 from ._sharding import (
     accept_flax,
     is_node,
@@ -68,7 +68,7 @@ class JitWrapped(CachedCall[P, R]):
     ):
         if not callable(fun):
             raise TypeError(_errors.not_callable("jit", fun))
-        owner = fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
+        owner = bound_node(fun)
         if owner is not None:  # a bound method of a graph node: the node is args[0]
             fun = fun.__func__  # type: ignore[attr-defined]
             static_argnums, donate_argnums = _shift(static_argnums), _shift(donate_argnums)
@@ -149,8 +149,8 @@ class SimpleJitWrapped(JitWrapped[P, R]):
             raise TypeError(_errors.not_callable("jit", fun))
         functools.update_wrapper(self, fun)
         self.graph, self.graph_updates = graph, graph_updates
-        if inspect.ismethod(fun) and is_node(fun.__self__):
-            raise ValueError(_errors.bound_method_simple("jit", type(fun.__self__).__name__))
+        if (owner := bound_node(fun)) is not None:
+            raise ValueError(_errors.bound_method_simple("jit", type(owner).__name__))
         self._bound: tuple[Any, ...] = ()
         self.fun = fun
         argnums = dict(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeAlias
 
@@ -32,6 +33,16 @@ def is_node(x: Any) -> bool:
     if isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, Tracer):
         _NOT_NODES.add(kind)  # a concrete array is never a ref: only tracers vary
     return False
+
+
+def bound_node(fun: Any) -> Any:
+    """The graph node ``fun`` is a bound method of, else None.
+
+    A function, not an ``inspect.ismethod`` test at each caller: that test would narrow
+    a caller's ``Callable[P, R]`` to a union with ``MethodType`` (``functools.wraps``
+    then cannot solve its ParamSpec).
+    """
+    return fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
 
 
 def alias_paths(node: Any, by_path: Mapping[Path, Any]) -> Iterator[tuple[Path, Any]]:

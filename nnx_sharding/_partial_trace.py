@@ -47,7 +47,7 @@ class _Result:
     out_sources: tuple[int | None, ...] | None
 
 
-def _rebuild(result: _Result, payload: Sequence[Leaf], nodes: Sequence[Any]) -> Any:
+def _rebuild(result: _Result, payload: list[Leaf], nodes: Sequence[Any]) -> Any:
     """The output: ``payload``'s graph nodes merged, partial argument ``nodes`` put back."""
     if result.out_graphdefs is None:
         return jax.tree_util.tree_unflatten(result.out_treedef, payload)

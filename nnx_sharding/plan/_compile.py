@@ -161,8 +161,11 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     notes = list(step.notes)
     n = math.prod(candidate.mesh_shape.values())
     text = compiled.as_text()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    if text is None:
+        return Plan(**base, **failed, reason=f"{step.compiler} compiler gives no HLO text")
+    cost = compiled.cost_analysis()  # a dict, or a list of one dict
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
     flops = float((cost or {}).get("flops", 0.0))
     accessed = float((cost or {}).get("bytes accessed", 0.0))
     state = state_bytes(step, candidate, specs)
