@@ -111,3 +111,10 @@ def planner(plans: nnx_sharding.plan.Plans, model: nnx.Linear, x: jax.Array) -> 
     assert_type(plans.best.jit(forward)(model, x), jax.Array)
     assert_type(wrapped(model, x), jax.Array)
     plans.best.jit(forward)(x)  # pyright: ignore[reportCallIssue] - the ParamSpec is kept
+
+
+def shard(model: nnx.Linear, mesh: jax.sharding.Mesh) -> None:
+    assert_type(nnx_sharding.shard(model, mesh), nnx.Linear)
+    assert_type(nnx_sharding.shard(model, shardings=mesh, rules=[("embed", None)]), nnx.Linear)
+    assert_type(nnx_sharding.shard(model, mesh=mesh), nnx.Linear)  # the deprecated name
+    nnx_sharding.shard(model, mesh=P())  # pyright: ignore[reportArgumentType] - a Mesh or None
