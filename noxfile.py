@@ -57,8 +57,11 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """pyright over the package ([tool.pyright] in pyproject.toml), then the completeness
     of the public API's types (`pyright --verifytypes`)."""
-    # editable_mode=compat installs a plain path entry, which pyright can follow.
-    session.install("-e", ".", "--config-settings", "editable_mode=compat", "pyright[nodejs]")
+    # editable_mode=compat installs a plain path entry, which pyright can follow; the bench
+    # extra (matplotlib) for `Plans.plot`'s imports.
+    session.install(
+        "-e", ".[bench]", "--config-settings", "editable_mode=compat", "pyright[nodejs]"
+    )
     failed = []
     for command in (
         ("pyright", *session.posargs),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
 
@@ -17,7 +16,7 @@ from ._callpath.jit_body import make_inner
 from ._callpath.outside import CallPlan, CallSpec, partition_args
 from ._callpath.simple import SimpleCall, check_prefix, resolve_mode, unique_leaves
 from ._jit_partial.cached_partial import CachedPartials, partial_of_jit
-from ._nodes import is_node
+from ._nodes import bound_node, is_node
 from ._sharding import accept_flax, prefixes
 from ._stages import Lowered, Traced
 from ._types import Device
@@ -44,7 +43,7 @@ class JitWrapped(CachedCall[P, R]):
         static_argnums, donate_argnums = o["static_argnums"], o["donate_argnums"]
         if not callable(fun):
             raise TypeError(_errors.not_callable("jit", fun))
-        owner = fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
+        owner = bound_node(fun)
         if owner is not None:  # a bound method of a graph node: the node is args[0]
             fun = fun.__func__  # type: ignore[attr-defined]
             static_argnums, donate_argnums = (
@@ -108,8 +107,8 @@ class SimpleJitWrapped(JitWrapped[P, R]):
             raise TypeError(_errors.not_callable("jit", fun))
         functools.update_wrapper(self, fun)
         self.graph, self.graph_updates = graph, graph_updates
-        if inspect.ismethod(fun) and is_node(fun.__self__):
-            raise ValueError(_errors.bound_method_simple("jit", type(fun.__self__).__name__))
+        if (owner := bound_node(fun)) is not None:
+            raise ValueError(_errors.bound_method_simple("jit", type(owner).__name__))
         self._bound: tuple[Any, ...] = ()
         self.fun = fun
         static, donate = read_argnums("jit", fun, o)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, TypeAlias, TypeVar
 
 import jax
 from flax import nnx
+from flax.typing import MISSING, Missing
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from . import _errors
@@ -71,7 +73,13 @@ def _given_shardings(tree: Any, shardings: Placement) -> list[tuple[Path, nnx.Va
     return [(path, var, chosen[id(var)][0]) for path, var in flat if id(var) in chosen]
 
 
-def shard(tree: T, shardings: Placement = None, rules: Rules | None = None) -> T:
+def shard(
+    tree: T,
+    shardings: Placement = None,
+    rules: Rules | None = None,
+    *,
+    mesh: Mesh | None | Missing = MISSING,
+) -> T:
     """Places the Variables of ``tree``, in place: ``jax.device_put`` for a module.
 
     ``shardings`` says where, as ``jit``'s ``in_shardings`` entry for a module does:
@@ -94,6 +102,9 @@ def shard(tree: T, shardings: Placement = None, rules: Rules | None = None) -> T
       rules: for metadata only: ``(logical name, mesh axis or None)`` pairs as in
         flax's ``nnx.logical_axis_rules``; None uses flax's rules in context, if any,
         and otherwise reads the metadata names as mesh axes.
+      mesh: deprecated: the name ``shardings`` had before (a Mesh, or None for the
+        mesh set with ``jax.set_mesh``); accepted with a ``DeprecationWarning`` until
+        the next release.
 
     Returns:
       ``tree`` itself, its Variables now holding the placed arrays (all or, on an
@@ -103,7 +114,8 @@ def shard(tree: T, shardings: Placement = None, rules: Rules | None = None) -> T
       ValueError: a Variable no filter matches, a logical name no rule maps, a mesh
         axis the mesh lacks, a PartitionSpec without a mesh, or a sharding that does
         not fit its array; the message names the Variable's path.
-      TypeError: ``rules`` with ``shardings`` that are not a Mesh or None.
+      TypeError: ``rules`` with ``shardings`` that are not a Mesh or None, or both
+        ``shardings`` and its old name ``mesh``.
 
     >>> import jax
     >>> from flax import nnx
@@ -127,6 +139,21 @@ def shard(tree: T, shardings: Placement = None, rules: Rules | None = None) -> T
     >>> model.kernel.get_value().sharding.spec
     P(None, 'model')
     """
+    if not isinstance(mesh, Missing):
+        if shardings is not None:
+            raise TypeError(
+                _errors.old_and_new_keyword(
+                    "shard", "mesh", "shardings", "nnx_sharding.shard(model, shardings=mesh)"
+                )
+            )
+        warnings.warn(
+            "shard: `mesh` is deprecated; use `shardings`, which takes the same values "
+            "(`nnx_sharding.shard(model, shardings=mesh)`). `mesh` will be removed in the "
+            "next release.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        shardings = mesh
     if shardings is None or isinstance(shardings, Mesh):
         target = shardings if shardings is not None else context_mesh()
         if target is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeAlias
 
@@ -43,6 +44,16 @@ def is_array(x: Any) -> bool:
     """Whether ``x`` has an array's ``shape`` and ``dtype``: an array, a tracer or a
     ``jax.ShapeDtypeStruct``."""
     return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def bound_node(fun: Any) -> Any:
+    """The graph node ``fun`` is a bound method of, else None.
+
+    A function, not an ``inspect.ismethod`` test at each caller: that test would narrow
+    a caller's ``Callable[P, R]`` to a union with ``MethodType`` (``functools.wraps``
+    then cannot solve its ParamSpec).
+    """
+    return fun.__self__ if inspect.ismethod(fun) and is_node(fun.__self__) else None
 
 
 def alias_paths(node: Any, by_path: Mapping[Path, Any]) -> Iterator[tuple[Path, Any]]:

@@ -18,7 +18,6 @@ modules, runs the function and splits the result again:
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any, ParamSpec, TypeVar, overload
@@ -39,7 +38,7 @@ from ._callpath.inside import (
 )
 from ._callpath.outside import CallPlan, CallSpec, Leaf, checked_on_fast_calls, value_of
 from ._callpath.simple import SimpleCall, check_prefix, resolve_mode, unique_leaves
-from ._nodes import is_node
+from ._nodes import bound_node, is_node
 from ._shard_map_layout import (
     AxisName,
     Flat,
@@ -81,8 +80,8 @@ class ShardMapFn(CachedCall[P, R]):
     ):
         if not callable(fun):
             raise TypeError(_errors.not_callable("shard_map", fun, "out_specs=P()"))
-        if inspect.ismethod(fun) and is_node(fun.__self__):
-            raise ValueError(_errors.bound_method("shard_map", type(fun.__self__).__name__))
+        if (owner := bound_node(fun)) is not None:
+            raise ValueError(_errors.bound_method("shard_map", type(owner).__name__))
         in_prefix, out_prefix = prefixes(
             "shard_map", in_specs, out_specs, names=("in_specs", "out_specs")
         )
@@ -428,8 +427,8 @@ class SimpleShardMapFn(ShardMapFn[P, R]):
         axis_names = options.get("axis_names", frozenset())
         if not callable(fun):
             raise TypeError(_errors.not_callable("shard_map", fun, "out_specs=P()"))
-        if inspect.ismethod(fun) and is_node(fun.__self__):
-            raise ValueError(_errors.bound_method("shard_map", type(fun.__self__).__name__))
+        if (owner := bound_node(fun)) is not None:
+            raise ValueError(_errors.bound_method("shard_map", type(owner).__name__))
         functools.update_wrapper(self, fun)
         check_prefix("shard_map", "in_specs", in_specs, graph)
         check_prefix("shard_map", "out_specs", out_specs, graph)

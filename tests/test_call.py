@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import errors, nnx
+from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
 
@@ -177,6 +178,33 @@ def test_a_bound_method_passes_its_module_as_an_argument():
     assert jnp.allclose(forward(X), model(X))
     model.kernel = nnx.Param(jnp.ones((2, 2)))  # a new Variable: a new structure
     assert jnp.allclose(forward(X), model(X))
+
+
+@pytest.mark.skipif(not hasattr(nnx, "set_graph_updates"), reason="flax without graph_updates")
+@pytest.mark.parametrize("mode", [{"graph": False}, {"graph_updates": False}], ids=str)
+def test_on_the_simple_path_a_bound_method_of_a_module_is_refused_as_in_flax(mode):
+    """flax's simple path refuses a module's bound method (the module is no argument);
+    so do ours, naming its type. A method bound to an object that is not a graph node
+    is an ordinary function."""
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    specs = {"mesh": mesh, "in_specs": (P(),), "out_specs": P()}
+    with pytest.raises(ValueError, match="bound methods"):
+        nnx.jit(model.__call__, **mode)
+    with pytest.raises(ValueError, match=r"^jit: fun: a bound method of a graph node \(Linear\)"):
+        nnx_sharding.jit(model.__call__, **mode)
+    with pytest.raises(ValueError, match="bound methods"):
+        nnx.shard_map(model.__call__, **specs, **mode)
+    with pytest.raises(ValueError, match=r"^shard_map: f: a bound method of a graph node \(Lin"):
+        nnx_sharding.shard_map(model.__call__, **specs, **mode)
+
+    class Plain:
+        def double(self, x):
+            return 2 * x
+
+    assert nnx_sharding.jit(Plain().double, **mode)(X).tolist() == (2 * X).tolist()
+    got = nnx_sharding.shard_map(Plain().double, **specs, **mode)(X)
+    assert got.tolist() == nnx.shard_map(Plain().double, **specs, **mode)(X).tolist()
 
 
 class Scaler(nnx.Module):

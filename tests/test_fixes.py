@@ -547,6 +547,22 @@ CASES = [
         check="assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
     ),
     Case(
+        "old_and_new_keyword",
+        1,
+        "with nnx.use_eager_sharding(False):\n"
+        "    annotated = nnx.Linear(\n"
+        "        16,\n"
+        "        64,\n"
+        "        kernel_init=nnx.with_partitioning(nnx.initializers.ones, (None, 'model')),\n"
+        "        rngs=nnx.Rngs(0),\n"
+        "    )\n",
+        "nnx_sharding.shard(annotated, mesh, mesh=mesh)",
+        "nnx_sharding.shard(annotated, shardings=mesh)",
+        TypeError,
+        names=(("model", "annotated"),),
+        check="assert annotated.kernel.get_value().sharding.spec == P(None, 'model')",
+    ),
+    Case(
         "bad_placement",
         1,
         "",

@@ -382,3 +382,54 @@ def test_shard_given_shardings_errors_list_everything_and_change_nothing():
         nnx_sharding.shard(model, {nnx.Param: P()})
     for path, var in nnx.to_flat_state(nnx.state(model)):
         assert var.get_value() is before[path]
+
+
+# --- shard's old keyword: `mesh` (renamed `shardings`) ---------------------------------------
+
+
+def test_shard_old_mesh_keyword_places_as_shardings_with_a_deprecation_warning():
+    reference, old = Block(), Block()
+    nnx_sharding.shard(reference, shardings=MESH, rules=RULES)
+    with pytest.warns(DeprecationWarning) as caught:
+        assert nnx_sharding.shard(old, mesh=MESH, rules=RULES) is old
+    assert placed(old) == placed(reference) == expected_placement()
+    for path, value in values(reference).items():
+        np.testing.assert_array_equal(values(old)[path], value)
+    (warning,) = caught
+    assert str(warning.message) == (
+        "shard: `mesh` is deprecated; use `shardings`, which takes the same values "
+        "(`nnx_sharding.shard(model, shardings=mesh)`). `mesh` will be removed in the next "
+        "release."
+    )
+    # attributed to the caller's line (stacklevel), not to nnx_sharding: pyproject's
+    # `error::DeprecationWarning:nnx_sharding` is for the package's own deprecated calls
+    assert warning.filename == __file__
+
+
+def test_shard_old_mesh_keyword_none_is_the_mesh_in_context():
+    reference, old = Block(), Block()
+    with jax.set_mesh(MESH):
+        nnx_sharding.shard(reference, rules=RULES)
+        with pytest.warns(DeprecationWarning, match="use `shardings`"):
+            nnx_sharding.shard(old, mesh=None, rules=RULES)
+    assert placed(old) == placed(reference) == expected_placement()
+
+
+@pytest.mark.parametrize(
+    "shardings, mesh", [(MESH, MESH), (P(), MESH), (P(), None)], ids=["mesh", "spec", "none"]
+)
+def test_shard_old_and_new_keyword_together_are_a_type_error(shardings, mesh):
+    """``mesh=None`` counts as given; so does ``shardings`` unless None, its default."""
+    model = Block()
+    before = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
+    with pytest.raises(TypeError) as e:
+        nnx_sharding.shard(model, shardings, mesh=mesh)
+    assert str(e.value) == (
+        "shard: mesh: given together with `shardings`, its new name\n"
+        "Rule: `mesh` is the name `shardings` had before; it is accepted alone, with a "
+        "DeprecationWarning, until the next release.\n"
+        "Fixes:\n"
+        "  1. pass the value once, as `shardings`: `nnx_sharding.shard(model, shardings=mesh)`."
+    )
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        assert var.get_value() is before[path]

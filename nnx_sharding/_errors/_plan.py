@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "accelerator_bad_figures",
@@ -66,7 +66,7 @@ def plan_bad_device_count(n: int) -> str:
     return f"plan: devices={n}; expected a positive number of devices"
 
 
-def plan_unknown_layouts(unknown: Sequence[str], layouts: Sequence[str]) -> str:
+def plan_unknown_layouts(unknown: Sequence[str], layouts: Iterable[str]) -> str:
     return f"plan: unknown layouts {list(unknown)}; the layouts are {', '.join(layouts)}"
 
 

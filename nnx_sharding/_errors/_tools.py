@@ -165,6 +165,18 @@ def rules_without_metadata(transform: str, type_name: str) -> str:
     )
 
 
+def old_and_new_keyword(transform: str, old: str, new: str, call: str) -> str:
+    """A renamed keyword given under both names (the old one is still accepted)."""
+    return format_message(
+        transform,
+        old,
+        [f"given together with `{new}`, its new name"],
+        f"Rule: `{old}` is the name `{new}` had before; it is accepted alone, with a "
+        "DeprecationWarning, until the next release.",
+        [f"pass the value once, as `{new}`: `{call}`."],
+    )
+
+
 def bad_placement(transform: str, type_name: str) -> str:
     return format_message(
         transform,

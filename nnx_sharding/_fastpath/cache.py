@@ -355,8 +355,9 @@ class Leaves:
                 owner = _child_at(root, path[:-1])
                 container, key = _container(owner, path[-1])
             except (KeyError, IndexError, TypeError):
-                container = key = None
-            position = None if container is None else snapshot.position(container, key)
+                self.constants[i] = leaf
+                continue
+            position = snapshot.position(container, key)
             if position is None or container[key] is not leaf:
                 self.constants[i] = leaf
                 continue

@@ -28,7 +28,7 @@ from typing import Any
 
 _WORD = ctypes.sizeof(ctypes.c_void_p)
 _ITEMS = 3 * ctypes.sizeof(ctypes.c_ssize_t)  # after ob_refcnt, ob_type and ob_size
-_pointer_at = ctypes.c_void_p.from_address
+_pointer_at = ctypes.c_size_t.from_address  # an address, as an int (c_void_p: None for 0)
 _string_at = ctypes.string_at
 
 

@@ -105,13 +105,13 @@ class JitPartialWrapped(Generic[R]):
         in_shardings, out_shardings = o["in_shardings"], o["out_shardings"]
         static_argnums, donate_argnums = o["static_argnums"], o["donate_argnums"]
         self._transform = transform
-        self.n_partial = len(partial_args)
+        self.n_partial: int = len(partial_args)
         if not callable(fun):
             raise TypeError(_errors.not_callable(TRANSFORM, fun, "model", decorator=False))
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.graph = _current("set_graph_mode") if graph is None else graph
-        self.graph_updates = (
+        self.graph: bool = _current("set_graph_mode") if graph is None else graph
+        self.graph_updates: bool = (
             _current("set_graph_updates") if graph_updates is None else graph_updates
         )
         n = len(partial_args)

@@ -42,7 +42,7 @@ class Result:
     out_sources: tuple[int | None, ...] | None
 
 
-def rebuild_output(result: Result, payload: Sequence[Leaf], nodes: Sequence[Any]) -> Any:
+def rebuild_output(result: Result, payload: list[Leaf], nodes: Sequence[Any]) -> Any:
     """The output: ``payload``'s graph nodes merged, partial argument ``nodes`` put back."""
     if result.out_graphdefs is None:
         return jax.tree_util.tree_unflatten(result.out_treedef, payload)

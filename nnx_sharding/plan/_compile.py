@@ -33,7 +33,7 @@ class Step:
     args: tuple[Any, ...]  # abstract: Variables and arrays hold ShapeDtypeStructs
     static: frozenset[int]
     options: dict[str, Any]
-    variables: dict[int, list[tuple[Path, nnx.Variable]]]  # per graph-node argument
+    variables: dict[int, list[tuple[Path, nnx.Variable[Any]]]]  # per graph-node argument
     tp: dict[int, dict[Path, P] | None]  # tensor-parallel specs per graph-node argument
     devices: Sequence[Any]
     compiler: str
@@ -163,8 +163,11 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     notes = list(step.notes)
     n = math.prod(candidate.mesh_shape.values())
     text = compiled.as_text()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+    if text is None:
+        return Plan(**base, **failed, reason=f"{step.compiler} compiler gives no HLO text")
+    cost = compiled.cost_analysis()  # a dict, or a list of one dict
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
     flops = float((cost or {}).get("flops", 0.0))
     accessed = float((cost or {}).get("bytes accessed", 0.0))
     state = state_bytes(step, candidate, specs)

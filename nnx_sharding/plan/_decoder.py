@@ -152,6 +152,7 @@ class Decoder(nnx.Module):
     def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs):
         self.embed = _param(rngs, (c.vocab, c.d_model), ("vocab", "embed"), c.dtype)
         self.scan = c.scan
+        self.layers: Block | nnx.List[Block]  # one Block of stacked weights when scanned
         if c.scan:
             self.layers = Block(c, rngs=rngs, stack=c.layers)
         else:
@@ -161,11 +162,12 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed[...][tokens]
-        if self.scan:
+        layers = self.layers
+        if isinstance(layers, Block):  # scanned (``self.scan``)
             body = lambda x, w: (_batch_parallel(_block(x, w)), None)  # noqa: E731
-            x, _ = jax.lax.scan(body, _batch_parallel(x), self.layers.weights())
+            x, _ = jax.lax.scan(body, _batch_parallel(x), layers.weights())
         else:
-            for block in self.layers:
+            for block in layers:
                 x = block(x)
         return _rms_norm(x, self.final_norm[...]) @ self.head[...]
 

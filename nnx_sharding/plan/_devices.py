@@ -35,6 +35,7 @@ import jax
 
 from .. import _errors
 from .._cli.quiet import quiet
+from .._types import Device
 from ._accelerator import Accelerator, resolve_accelerator
 
 # Before libtpu is first loaded (a jax backend or a TPU topology): processes planning in
@@ -103,7 +104,7 @@ def default_tpu_topology(generation: str, chips: int) -> list[str]:
 @functools.cache
 def _tpu_topology(
     name: str, num_slices: int, host: tuple[int, ...] | None = None
-) -> tuple[jax.Device, ...]:
+) -> tuple[Device, ...]:
     from jax.experimental import topologies
 
     kwargs: dict[str, object] = {"num_slices": num_slices} if num_slices > 1 else {}
@@ -123,7 +124,7 @@ def _small_slice(accelerator: Accelerator, name: str) -> tuple[int, ...] | None:
 
 
 @functools.cache
-def _gpu_topology(name: str, topology: str) -> tuple[jax.Device, ...]:
+def _gpu_topology(name: str, topology: str) -> tuple[Device, ...]:
     from jax.experimental import topologies
 
     text = gpu_target_config(name)
@@ -176,7 +177,7 @@ def compile_devices(
     n: int,
     topology: str | None = None,
     num_slices: int = 1,
-) -> tuple[list[jax.Device], Compiler, str | None]:
+) -> tuple[list[Device], Compiler, str | None]:
     """``n`` devices to lower and compile for, whose compiler, and a note (or None).
 
     - TPU: compile-only devices of ``topology`` (``"v5e:16x16"``; by default the
@@ -229,7 +230,7 @@ def compile_devices(
 
 def _tpu_devices(
     accelerator: Accelerator, n: int, topology: str | None, num_slices: int
-) -> tuple[list[jax.Device], Compiler, str | None]:
+) -> tuple[list[Device], Compiler, str | None]:
     if not has_tpu_compiler():
         raise ValueError(_errors.plan_no_tpu_compiler(topology or accelerator.name))
     generation = (topology or accelerator.name).partition(":")[0]
@@ -276,7 +277,7 @@ def _tpu_devices(
     )
 
 
-def _cpu_devices(n: int) -> list[jax.Device]:
+def _cpu_devices(n: int) -> list[Device]:
     with quiet():  # the first call starts every backend jax finds
         devices = jax.devices("cpu")
     if len(devices) < n:

@@ -487,7 +487,9 @@ def tensor_parallel_specs(
         if arg < 0 or arg >= len(args):
             continue
         spec = [axis if (k, d) in chosen else None for d in range(_ndim(var))]
-        specs = result[arg] if result[arg] is not None else {}
+        specs = result[arg]
+        if specs is None:
+            specs = {}
         specs[path] = PartitionSpec(*spec) if any(spec) else PartitionSpec()
         result[arg] = specs
     for arg, slot in enumerate(slots[: len(args)]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, ParamSpec, TypeAlias, TypeVar
 
 import jax
 import numpy as np
@@ -18,6 +18,9 @@ from .._state_sharding import StateSharding
 from .._units import format_bytes, format_seconds
 from ._cost import Memory, Time
 from ._hlo import Collective
+
+Params = ParamSpec("Params")
+R = TypeVar("R")
 
 InShardings: TypeAlias = tuple[Any, ...]
 """One entry per positional argument: a `StateSharding` of PartitionSpecs for a graph
@@ -104,8 +107,8 @@ class Plan:
         return bind(self.in_shardings, self.mesh() if mesh is None else mesh)
 
     def jit(
-        self, fun: Callable[..., Any], *, mesh: Mesh | None = None, **jit_options: Any
-    ) -> JitWrapped:
+        self, fun: Callable[Params, R], *, mesh: Mesh | None = None, **jit_options: Any
+    ) -> JitWrapped[Params, R]:
         """``nnx_sharding.jit(fun, in_shardings=...)`` laid out as this plan says.
 
         ``jit_options`` (``donate_argnums``, ...) default to those given to `plan`. Graph

@@ -4,6 +4,7 @@ the devices present (``measure``)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -82,19 +83,19 @@ class Plans(Sequence[Plan]):
         """
         if self._plans and self._plans[0].fits:
             return self._plans[0]
-        built = [p for p in self._plans if p.memory is not None]
+        built = [(p.memory.peak, p) for p in self._plans if p.memory is not None]
         if not built:
             reasons = "; ".join(f"{p.label}: {p.reason}" for p in self._plans[:3])
             more = len(self._plans) - 3
             reasons += f"; and {more} more (see the table)" if more > 0 else ""
             raise ValueError(_errors.plan_no_candidate_built(reasons))
-        closest = min(built, key=lambda p: p.memory.peak)
+        peak, closest = min(built, key=lambda b: b[0])
         miss = shortfall(closest, self.limit)
         raise ValueError(
             _errors.plan_nothing_fits(
                 format_bytes(self.limit),
                 closest.label,
-                format_bytes(closest.memory.peak),
+                format_bytes(peak),
                 format_bytes(miss),
                 miss,
             )
@@ -164,7 +165,7 @@ class Plans(Sequence[Plan]):
         return self.table()
 
     def __str__(self) -> str:
-        console = Console(width=200, record=True, file=_Null(), color_system=None)
+        console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
         console.print(self.table())
         return console.export_text()
 
@@ -187,19 +188,20 @@ class Plans(Sequence[Plan]):
         built = [p for p in self._plans if p.memory is not None and p.time is not None]
         fig, ax = plt.subplots(figsize=(8, 5))
         for p in built:
-            ax.scatter(p.memory.peak, p.time.step * 1e3, color="C0" if p.fits else "C3")
-            ax.annotate(p.label, (p.memory.peak, p.time.step * 1e3), fontsize=7)
-        front = pareto(built)
+            x, y = _point(p)
+            ax.scatter(x, y, color="C0" if p.fits else "C3")
+            ax.annotate(p.label, (x, y), fontsize=7)
+        front = [_point(p) for p in pareto(built)]
         ax.step(
-            [p.memory.peak for p in front],
-            [p.time.step * 1e3 for p in front],
+            [x for x, _ in front],
+            [y for _, y in front],
             "k--",
             where="post",
             label="Pareto front",
         )
         ax.scatter(
-            [p.memory.peak for p in front],
-            [p.time.step * 1e3 for p in front],
+            [x for x, _ in front],
+            [y for _, y in front],
             s=120,
             facecolors="none",
             edgecolors="k",
@@ -238,6 +240,13 @@ class Plans(Sequence[Plan]):
             index = self._plans.index(plan)
             self._plans[index] = dataclasses.replace(plan, measured=statistics.median(times))
         return self
+
+
+def _point(plan: Plan) -> tuple[int, float]:
+    """A built plan's place on the plot: peak bytes per device, predicted milliseconds."""
+    if plan.memory is None or plan.time is None:
+        raise ValueError(f"{plan.label} has no figures to plot: {plan.reason}")
+    return plan.memory.peak, plan.time.step * 1e3
 
 
 def pareto(plans: Sequence[Plan]) -> list[Plan]:
@@ -279,18 +288,10 @@ def materialise(step: Step, plan: Plan, mesh: Any) -> tuple[Any, ...]:
 
 def _place(value: Any, sharding: Any) -> Any:
     if isinstance(value, jax.ShapeDtypeStruct):
-        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
             data = jnp.zeros((*value.shape, 2), jnp.uint32)
             return jax.device_put(jax.random.wrap_key_data(data), sharding)
         return jax.jit(lambda: jnp.zeros(value.shape, value.dtype), out_shardings=sharding)()
     if hasattr(value, "shape"):
         return jax.device_put(jnp.array(value, copy=True), sharding)
     return value
-
-
-class _Null:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass

@@ -95,3 +95,26 @@ def exported(e: nnx_sharding.Exported) -> None:
     assert_type(e.platforms, tuple[str, ...])
     assert_type(e.fun_name, str)
     assert_type(e.call(), tuple[Any, tuple[nnx.State[Any, Any], ...]])
+
+
+def planner(plans: nnx_sharding.plan.Plans, model: nnx.Linear, x: jax.Array) -> None:
+    from nnx_sharding.plan import Plan
+
+    assert_type(plans.best, Plan)
+    assert_type(plans[0], Plan)
+    assert_type(plans[1:], list[Plan])
+
+    def forward(model: nnx.Linear, x: jax.Array) -> jax.Array:
+        return model(x)
+
+    wrapped: JitWrapped[[nnx.Linear, jax.Array], jax.Array] = plans.best.jit(forward)
+    assert_type(plans.best.jit(forward)(model, x), jax.Array)
+    assert_type(wrapped(model, x), jax.Array)
+    plans.best.jit(forward)(x)  # pyright: ignore[reportCallIssue] - the ParamSpec is kept
+
+
+def shard(model: nnx.Linear, mesh: jax.sharding.Mesh) -> None:
+    assert_type(nnx_sharding.shard(model, mesh), nnx.Linear)
+    assert_type(nnx_sharding.shard(model, shardings=mesh, rules=[("embed", None)]), nnx.Linear)
+    assert_type(nnx_sharding.shard(model, mesh=mesh), nnx.Linear)  # the deprecated name
+    nnx_sharding.shard(model, mesh=P())  # pyright: ignore[reportArgumentType] - a Mesh or None
