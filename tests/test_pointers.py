@@ -37,6 +37,6 @@ def test_pointers_that_do_not_read_back_turn_direct_off(monkeypatch):
 
 
 def test_the_public_fallback_is_chosen_by_the_environment():
-    check = "from nnx_sharding import _pointers; assert not _pointers.DIRECT"
+    check = "from nnx_sharding._fastpath import pointers; assert not pointers.DIRECT"
     env = {**os.environ, "NNX_SHARDING_PUBLIC_SLOTS": "1"}
     subprocess.run([sys.executable, "-c", check], env=env, check=True)

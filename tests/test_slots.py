@@ -42,7 +42,7 @@ def test_a_metadata_change_is_seen_either_way(monkeypatch, direct):
 def test_the_fast_path_tests_pass_through_the_public_fallback():
     env = {**os.environ, "NNX_SHARDING_PUBLIC_SLOTS": "1"}
     files = ["test_cache.py", "test_snapshot.py", "test_call.py"]
-    check = "from nnx_sharding import _slots; assert not _slots.DIRECT"
+    check = "from nnx_sharding._fastpath import slots; assert not slots.DIRECT"
     subprocess.run([sys.executable, "-c", check], env=env, check=True)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
