@@ -200,9 +200,22 @@ def value_of(leaf: Any) -> Leaf:
     return leaf.get_raw_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
+HOST_TYPES = frozenset({np.ndarray, int, float, complex, bool})
+"""The types of graph leaves that are no jax arrays yet (with numpy's scalars)."""
+
+
+def is_host_type(kind: type) -> bool:
+    """Whether graph leaves of this type are numpy arrays or Python or numpy numbers:
+    values that flax's graph-mode call gives back as jax arrays."""
+    return kind in HOST_TYPES or issubclass(kind, np.generic)
+
+
 def as_jax(value: Leaf) -> Leaf:
-    """A numpy array as a jax array (flax's calls leave no numpy value in a graph)."""
-    return jax.numpy.asarray(value) if type(value) is np.ndarray else value
+    """A numpy array or a Python or numpy number as a jax array, as ``jax.jit`` makes
+    it (a Python number weakly typed): flax's graph-mode calls pass every graph leaf
+    through ``jax.jit`` and write its result back, so they leave no such value in a
+    graph, even one the function did not change."""
+    return jax.numpy.asarray(value) if is_host_type(type(value)) else value
 
 
 def partition_args(
