@@ -32,6 +32,7 @@ from ._stages import Lowered, Traced
 from ._tree import (
     SimpleCall,
     check_prefix,
+    node_prefixes,
     resolve_mode,
     unique_leaves,
 )
@@ -187,7 +188,7 @@ class SimpleJitWrapped(JitWrapped[P, R]):
             return key in (donate[0] if name == "args" else donate[1])
 
         self._call = SimpleCall(
-            "jit", fun, graph, {"args": arg_prefix, "kwargs": None}, groups, keep
+            "jit", fun, graph, {"args": arg_prefix, "kwargs": None}, groups, keep, out_shardings
         )
         options: dict[str, Any] = dict(
             keep_unused=keep_unused,
@@ -204,8 +205,9 @@ class SimpleJitWrapped(JitWrapped[P, R]):
 
         self._jitted = jax.jit(
             inner,
-            in_shardings=in_shardings,
-            out_shardings=(out_shardings, groups),
+            # graph mode: each nnx.prefix(..., graph=True) as the TreeNode of its node
+            in_shardings=node_prefixes(in_shardings),
+            out_shardings=(node_prefixes(out_shardings), groups),
             static_argnums=static_argnums,
             static_argnames=static_argnames,
             donate_argnums=donate_argnums,

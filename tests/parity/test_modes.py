@@ -564,27 +564,6 @@ def test_donated_by_name_passed_positionally_keeps_its_value(kw):
         assert float(v[...]) == 1.0
 
 
-def test_graph_mode_tree_prefix_is_refused_with_its_fixes():
-    if not hasattr(nnx, "prefix"):
-        pytest.skip("nnx.prefix is new in flax 0.12.8")
-    rules = {...: NamedSharding(mesh8(), P())}
-    prefix = nnx.prefix(nnx.Linear(2, 8, rngs=nnx.Rngs(0)), rules, graph=True)
-    with pytest.raises(ValueError, match=r"nnx.prefix\(\.\.\., graph=True\)` at \[0\]"):
-        nnx_sharding.jit(lambda m: m, in_shardings=(prefix,), **MODES["no_updates"])
-    # the fixes it gives work
-    model = nnx.Linear(2, 8, rngs=nnx.Rngs(0))
-    full = nnx_sharding.jit(
-        lambda m: m.kernel[...], in_shardings=(nnx_sharding.StateSharding(rules),)
-    )
-    tree = nnx_sharding.jit(
-        lambda m: m.kernel[...],
-        in_shardings=(nnx.prefix(model, rules, graph=False),),
-        graph=False,
-    )
-    np.testing.assert_array_equal(full(model), model.kernel[...])
-    np.testing.assert_array_equal(tree(model), model.kernel[...])
-
-
 # 7. when the mode is decided: when jit/shard_map is called, as flax decides it
 
 
