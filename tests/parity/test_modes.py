@@ -287,6 +287,48 @@ def test_variable_shared_by_two_modules(kw):
 
 
 @modes
+@pytest.mark.parametrize("case", ["input_returned", "same_variable_twice", "module_returned"])
+def test_eval_shape_refuses_what_the_call_refuses(kw, case):
+    # flax's TestEvalShape cases (no_input_output_aliasing, no_shared_variable_refs),
+    # through jit(...).eval_shape: flax's nnx.jit(...).eval_shape is the reference
+    def scenario(impl, log):
+        v = nnx.Param(jnp.array(1.0))
+        m = Counter()
+        if case == "input_returned":
+            f, args = impl.jit(lambda v: v, **kw), (v,)
+        elif case == "same_variable_twice":
+            f, args = impl.jit(lambda a, b: a[...] + b[...], **kw), (v, v)
+        else:
+            f, args = impl.jit(lambda m, x: (m(x), m), **kw), (m, X)
+        log.raises("eval_shape", lambda: jax.tree.map(lambda x: x.shape, f.eval_shape(*args)))
+        log.raises("call", lambda: jax.tree.map(jnp.shape, f(*args)))
+        log.value("v", v[...])
+        log.state("m", m)
+
+    parity(scenario)
+
+
+def test_nnx_eval_shape_refuses_shared_variables_where_jit_eval_shape_takes_them():
+    """docs/migrating.md: with graph_updates=False, flax's nnx.eval_shape refuses a
+    Variable passed twice; flax's jit(...).eval_shape (and its call) take it, and so
+    does ours, as jit's."""
+    v = nnx.Param(jnp.array(1.0))
+
+    def f(a, b):
+        return a[...] + b[...]
+
+    with pytest.raises(ValueError, match="Duplicate"):
+        nnx.eval_shape(f, v, v, **MODES["no_updates"])
+    theirs = nnx.jit(f, **MODES["no_updates"]).eval_shape(v, v)
+    ours = nnx_sharding.jit(f, **MODES["no_updates"]).eval_shape(v, v)
+    assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype) == ((), jnp.float32)
+    with pytest.raises(ValueError, match="Duplicate"):  # tree mode: all refuse it
+        nnx.eval_shape(f, v, v, **MODES["tree"])
+    with pytest.raises(ValueError, match="the same Variable is at args"):
+        nnx_sharding.jit(f, **MODES["tree"]).eval_shape(v, v)
+
+
+@modes
 def test_captured_variable_returned(kw):
     def scenario(impl, log):
         v = nnx.Param(jnp.array(1.0))
