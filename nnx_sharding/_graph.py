@@ -372,5 +372,11 @@ def merge_new(
 
 
 def abstract(leaves: Sequence[Leaf]) -> list[Leaf]:
-    """Each array (or aval) as a ``jax.ShapeDtypeStruct``; other leaves as they are."""
-    return [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]
+    """Each array (or aval) as a ``jax.ShapeDtypeStruct``, its weak type kept (as
+    ``jax.eval_shape`` gives it); other leaves as they are."""
+    return [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+        if hasattr(x, "shape")
+        else x
+        for x in leaves
+    ]
