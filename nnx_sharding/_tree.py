@@ -27,7 +27,7 @@ from typing import Any, TypeAlias
 import jax
 from flax import nnx
 from flax.errors import TraceContextError
-from jax.tree_util import GetAttrKey, SequenceKey, keystr
+from jax.tree_util import keystr
 
 from . import _errors
 from ._sharding import StateSharding
@@ -267,12 +267,12 @@ def _variables(groups: dict[str, Any]) -> Iterator[tuple[str, KeyPath, nnx.Varia
         for base, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_node_or_variable):
             if isinstance(leaf, nnx.Variable):
                 yield name, base, leaf, name + keystr(base)
-            elif isinstance(leaf, TreeNode):
-                for i, (local, item) in enumerate(zip(leaf.paths, leaf.leaves, strict=True)):
+            elif isinstance(leaf, TreeNode):  # one jax leaf per node leaf, in order
+                inside = jax.tree_util.tree_leaves_with_path(leaf, is_leaf=is_variable)
+                for (sub, item), local in zip(inside, leaf.paths, strict=True):
                     if isinstance(item, nnx.Variable):
-                        path = (*base, GetAttrKey("leaves"), SequenceKey(i))
                         at = "".join(f".{k}" if isinstance(k, str) else f"[{k}]" for k in local)
-                        yield name, path, item, name + keystr(base) + at
+                        yield name, (*base, *sub), item, name + keystr(base) + at
 
 
 def _node_or_variable(x: Any) -> bool:

@@ -308,6 +308,19 @@ def test_eval_shape_refuses_what_the_call_refuses(kw, case):
     parity(scenario)
 
 
+@modes
+def test_aliasing_errors_name_the_variable_by_its_path_in_the_module(kw):
+    m = Counter()
+    with pytest.raises(ValueError, match="Variable aliasing") as raised:
+        nnx_sharding.jit(lambda m: m.linear.kernel, **kw)(m)
+    assert "is at args[0].linear.kernel and at out\n" in str(raised.value), raised.value
+    if kw["graph"]:  # graph mode keeps shared references
+        return
+    with pytest.raises(ValueError, match="Variable aliasing") as raised:
+        nnx_sharding.jit(lambda a, b: None, **kw)(m, {"k": m.linear.kernel})
+    assert "is at args[0].linear.kernel and at args[1]['k']\n" in str(raised.value)
+
+
 def test_nnx_eval_shape_refuses_shared_variables_where_jit_eval_shape_takes_them():
     """docs/migrating.md: with graph_updates=False, flax's nnx.eval_shape refuses a
     Variable passed twice; flax's jit(...).eval_shape (and its call) take it, and so
