@@ -358,7 +358,7 @@ def merge_abstract(
     leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
 ) -> Any:
     """Like `merge_call` but into new objects: for abstract (shape-only) outputs."""
-    return merge_new(abstract(leaves), out_plan, in_flat, out_flat)
+    return merge_new(abstract(leaves, weak_type=True), out_plan, in_flat, out_flat)
 
 
 def merge_new(
@@ -371,11 +371,14 @@ def merge_new(
         return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)
 
 
-def abstract(leaves: Sequence[Leaf]) -> list[Leaf]:
-    """Each array (or aval) as a ``jax.ShapeDtypeStruct``, its weak type kept (as
-    ``jax.eval_shape`` gives it); other leaves as they are."""
+def abstract(leaves: Sequence[Leaf], weak_type: bool = False) -> list[Leaf]:
+    """Each array (or aval) as a ``jax.ShapeDtypeStruct``; other leaves as they are.
+    ``weak_type``: keep each one's weak type, as ``jax.eval_shape`` does (the stages'
+    ``out_info``, as jax's, has none)."""
     return [
-        jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+        jax.ShapeDtypeStruct(
+            x.shape, x.dtype, weak_type=weak_type and getattr(x, "weak_type", False)
+        )
         if hasattr(x, "shape")
         else x
         for x in leaves
