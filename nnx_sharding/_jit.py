@@ -14,7 +14,7 @@ from ._callpath.argnums import COMPILER_KEYWORDS, JIT_DEFAULTS, read_argnums, sh
 from ._callpath.call import CachedCall, PartialRun
 from ._callpath.jit_body import make_inner
 from ._callpath.outside import CallPlan, CallSpec, partition_args
-from ._callpath.simple import SimpleCall, check_prefix, resolve_mode, unique_leaves
+from ._callpath.simple import SimpleCall, check_prefix, node_prefixes, resolve_mode, unique_leaves
 from ._jit_partial.cached_partial import CachedPartials, partial_of_jit
 from ._nodes import bound_node, is_node
 from ._sharding import accept_flax, prefixes
@@ -136,7 +136,7 @@ class SimpleJitWrapped(JitWrapped[P, R]):
             return key in (donate[0] if name == "args" else donate[1])
 
         self._call = SimpleCall(
-            "jit", fun, graph, {"args": arg_prefix, "kwargs": None}, groups, keep
+            "jit", fun, graph, {"args": arg_prefix, "kwargs": None}, groups, keep, out_shardings
         )
         call = self._call
 
@@ -146,8 +146,9 @@ class SimpleJitWrapped(JitWrapped[P, R]):
 
         self._jitted = jax.jit(
             inner,
-            in_shardings=in_shardings,
-            out_shardings=(out_shardings, groups),
+            # graph mode: each nnx.prefix(..., graph=True) as the TreeNode of its node
+            in_shardings=node_prefixes(in_shardings),
+            out_shardings=(node_prefixes(out_shardings), groups),
             **{k: o[k] for k in JIT_DEFAULTS if k not in ("in_shardings", "out_shardings")},
         )
 

@@ -37,7 +37,7 @@ from ._callpath.inside import (
     split_inner,
 )
 from ._callpath.outside import CallPlan, CallSpec, Leaf, checked_on_fast_calls, value_of
-from ._callpath.simple import SimpleCall, check_prefix, resolve_mode, unique_leaves
+from ._callpath.simple import SimpleCall, check_prefix, node_prefixes, resolve_mode, unique_leaves
 from ._nodes import bound_node, is_node
 from ._shard_map_layout import (
     AxisName,
@@ -437,21 +437,25 @@ class SimpleShardMapFn(ShardMapFn[P, R]):
         self.axis_names = frozenset(axis_names)
         self.check_vma = check_vma
         groups = unique_leaves(in_specs, none_leaf=False)
+        arg_prefixes = {"args": in_specs, "kwargs": None}
         self._call = call = SimpleCall(
-            "shard_map", fun, graph, {"args": in_specs, "kwargs": None}, groups
+            "shard_map", fun, graph, arg_prefixes, groups, out_prefix=out_specs
         )
 
         @functools.wraps(fun)
         def inner(*args: Any) -> Any:
             return call.inner(*args)
 
+        # graph mode: each nnx.prefix(..., graph=True) as the TreeNode of its node
         options: dict[str, Any] = dict(
-            out_specs=(out_specs, groups), axis_names=set(axis_names), check_vma=check_vma
+            out_specs=(node_prefixes(out_specs), groups),
+            axis_names=set(axis_names),
+            check_vma=check_vma,
         )
         if mesh is not None:
             options["mesh"] = mesh
         if in_specs is not None:
-            options["in_specs"] = in_specs
+            options["in_specs"] = node_prefixes(in_specs)
         self.inner = jax.shard_map(inner, **options)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:

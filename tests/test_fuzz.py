@@ -221,3 +221,34 @@ def test_twins_start_alike() -> None:
     assert_same_state(state_of(Model(0)), state_of(Model(0)))
     with pytest.raises(AssertionError):
         assert_same_state(state_of(Model(0)), state_of(Model(1)))
+
+
+@pytest.mark.parametrize("machine", [FastPathFuzz, FullPathFuzz])
+def test_found_python_number_kept_by_an_unchanging_call(machine: type[FastPathFuzz]) -> None:
+    """Found by `TestFastPath` (in some runs only: it depends on hypothesis's draw), run
+    here on every run. `set_plain` leaves a Python float in ``plain``, and the next call
+    (``bump``) does not change it: ``flax.nnx.jit`` passes every graph leaf through
+    ``jax.jit`` and writes it back, so ``plain`` becomes a weakly typed float32 jax
+    array; nnx_sharding (full and fast path) kept the float (float64 on the host)."""
+    fuzz = machine()
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("share", {}),
+        ("replace_variable", {"name": "l1", "seed": 0}),
+        ("share", {}),
+        ("set_plain", {"name": "plain", "kind": "number", "seed": 0}),
+        ("add_cell", {}),
+        ("call_bump", {}),
+        ("call_bump", {}),  # cached by now: the fast path
+        ("set_plain", {"name": "plain", "kind": "number", "seed": 1}),  # on a cached call
+        ("call_bump", {}),
+        ("call", {"x": 1}),
+    ]
+    fuzz.build(seed=0)
+    for name, drawn in steps:
+        if name != "call":
+            drawn = {**drawn, "then_call": False}
+        getattr(fuzz, name)(**drawn)
+        fuzz.same_structure()
+    plain = fuzz.a.plain
+    assert isinstance(plain, jax.Array) and plain.dtype == jnp.float32 and plain.weak_type
+    fuzz.teardown()

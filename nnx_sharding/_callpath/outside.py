@@ -194,9 +194,22 @@ def value_of(leaf: Any) -> Leaf:
     return leaf.get_raw_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
+HOST_TYPES = frozenset({np.ndarray, int, float, complex, bool})
+"""The types of graph leaves that are no jax arrays yet (with numpy's scalars)."""
+
+
+def is_host_type(kind: type) -> bool:
+    """Whether graph leaves of this type are numpy arrays or Python or numpy numbers:
+    values that flax's graph-mode call gives back as jax arrays."""
+    return kind in HOST_TYPES or issubclass(kind, np.generic)
+
+
 def as_jax(value: Leaf) -> Leaf:
-    """A numpy array as a jax array (flax's calls leave no numpy value in a graph)."""
-    return jax.numpy.asarray(value) if type(value) is np.ndarray else value
+    """A numpy array or a Python or numpy number as a jax array, as ``jax.jit`` makes
+    it (a Python number weakly typed): flax's graph-mode calls pass every graph leaf
+    through ``jax.jit`` and write its result back, so they leave no such value in a
+    graph, even one the function did not change."""
+    return jax.numpy.asarray(value) if is_host_type(type(value)) else value
 
 
 def partition_args(
@@ -339,7 +352,7 @@ def merge_abstract(
     leaves: Sequence[Leaf], out_plan: OutPlan, in_flat: Sequence[Leaf], out_flat: Sequence[Leaf]
 ) -> Any:
     """Like `merge_call` but into new objects: for abstract (shape-only) outputs."""
-    return merge_new(abstract_leaves(leaves), out_plan, in_flat, out_flat)
+    return merge_new(abstract_leaves(leaves, weak_type=True), out_plan, in_flat, out_flat)
 
 
 def merge_new(
@@ -352,6 +365,15 @@ def merge_new(
         return _merge(ctx, out_plan, full_inputs(out_plan, leaves, in_flat), out_flat)
 
 
-def abstract_leaves(leaves: Sequence[Leaf]) -> list[Leaf]:
-    """Each array (or aval) as a ``jax.ShapeDtypeStruct``; other leaves as they are."""
-    return [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in leaves]
+def abstract_leaves(leaves: Sequence[Leaf], weak_type: bool = False) -> list[Leaf]:
+    """Each array (or aval) as a ``jax.ShapeDtypeStruct``; other leaves as they are.
+    ``weak_type``: keep each one's weak type, as ``jax.eval_shape`` does (the stages'
+    ``out_info``, as jax's, has none)."""
+    return [
+        jax.ShapeDtypeStruct(
+            x.shape, x.dtype, weak_type=weak_type and getattr(x, "weak_type", False)
+        )
+        if hasattr(x, "shape")
+        else x
+        for x in leaves
+    ]

@@ -61,8 +61,8 @@ def check_prefix(transform: str, name: str, prefix: Any, graph: bool) -> None:
             raise ValueError(_errors.variable_in_prefix(transform, name, where, leaf))
         if isinstance(leaf, (StateSharding, nnx.StateSharding)):
             raise ValueError(_errors.state_sharding_simple(transform, name, where))
-        if _is_tree_state(leaf):
-            raise ValueError(_errors.graph_prefix_unsupported(transform, name, where))
+        if _is_tree_state(leaf) and not graph:  # graph mode takes it (`node_prefixes`)
+            raise ValueError(_errors.graph_prefix_in_tree_mode(transform, name, where))
         if graph and nnx.graph.is_graph_node(leaf):
             raise ValueError(_errors.node_in_prefix_graph(transform, name, where, leaf))
 
@@ -81,6 +81,81 @@ def check_prefix(transform: str, name: str, prefix: Any, graph: bool) -> None:
 def _is_tree_state(x: Any) -> bool:
     """flax's graph-mode tree prefix (``nnx.prefix(..., graph=True)``), by its type."""
     return type(x).__name__ == "TreeState" and type(x).__module__.startswith("flax.")
+
+
+def node_prefixes(prefix: Any) -> Any:
+    """``prefix`` with each prefix made by ``nnx.prefix(node, ..., graph=True)`` (flax's
+    ``TreeState``: the node's graph definition, and its entries by path) as the `TreeNode`
+    that `to_tree` makes of such a node, its entries in place of the node's leaves: a
+    prefix of the arguments (or outputs) as this path gives them to jax. It fits a node
+    of the same graph definition only, as flax's does."""
+    if not any(map(_is_tree_state, jax.tree_util.tree_leaves(prefix, is_leaf=_is_tree_state))):
+        return prefix
+
+    def convert(x: Any) -> Any:
+        if not _is_tree_state(x):
+            return x
+        flat = list(nnx.to_flat_state(x.state))
+        return TreeNode(x.graphdef, tuple(tuple(p) for p, _ in flat), [v for _, v in flat])
+
+    return jax.tree.map(convert, prefix, is_leaf=lambda y: y is None or _is_tree_state(y))
+
+
+def check_node_prefixes(
+    transform: str, argument: str, prefix: Any, tree: Any, name: Callable[[KeyPath], str]
+) -> None:
+    """Each `TreeNode` of ``prefix`` (made by `node_prefixes`) against what is at its
+    place in ``tree`` (converted by `to_tree`): a node of the same graph definition, or a
+    ValueError (flax's type: jax refuses the prefix) naming the place (``name(path)``)
+    and what differs. Other mismatches are left to jax's message."""
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=_none_or_node)
+        subtrees = treedef.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        return
+    found = []
+    for (path, entry), sub in zip(leaves, subtrees, strict=True):
+        if not isinstance(entry, TreeNode):
+            continue
+        if not isinstance(sub, TreeNode):
+            found.append(_errors.node_prefix_difference(name(path), type(sub).__name__, [], []))
+        elif sub.graphdef != entry.graphdef:
+            missing = sorted(set(entry.paths) - set(sub.paths), key=str)
+            extra = sorted(set(sub.paths) - set(entry.paths), key=str)
+            found.append(_errors.node_prefix_difference(name(path), None, missing, extra))
+    if found:
+        raise ValueError(_errors.node_prefix_mismatch(transform, argument, found))
+
+
+def _none_or_node(x: Any) -> bool:
+    return x is None or isinstance(x, TreeNode)
+
+
+def _none_or_tree_state(x: Any) -> bool:
+    return x is None or _is_tree_state(x)
+
+
+def _entries(entry: Any) -> Callable[[KeyPath, nnx.Variable], Any]:
+    """``(path in its node, Variable) -> its entry`` for a prefix leaf. For a prefix made
+    by ``nnx.prefix(..., graph=True)`` that is, as in flax's check, the function
+    ``nnx.prefix`` was given (kept by the prefix as ``prefix_fn``): a Variable shared
+    with a node that comes first gets an entry by its path here as well, though the
+    prefix holds it there only. Without one, the prefix's entry at that path."""
+    if not _is_tree_state(entry):
+        return lambda path, variable: entry
+    given = getattr(getattr(entry, "prefix_fn", None), "value", None)
+    if callable(given):
+        return lambda path, variable: given(tuple(path), variable)
+    table = {tuple(p): v for p, v in nnx.to_flat_state(entry.state)}
+    return lambda path, variable: table.get(tuple(path))
+
+
+def argument_name(path: KeyPath) -> str:
+    """A key path into ``(args, kwargs)`` as ``args[0]`` or ``kwargs['x']``."""
+    if not path:
+        return "arguments"
+    head = "args" if getattr(path[0], "idx", None) == 0 else "kwargs"
+    return head + keystr(path[1:])
 
 
 def unique_leaves(prefix: Any, none_leaf: bool = True) -> list[Any]:
@@ -150,10 +225,12 @@ def check_consistent(
     transform: str, argument: str, groups: dict[str, Any], prefixes: dict[str, Any]
 ) -> None:
     """flax's rule for graph mode with a prefix: a Variable reachable from several
-    arguments gets the same prefix entry from each (None counts as an entry)."""
+    arguments gets the same prefix entry from each (None counts as an entry). A prefix
+    made by ``nnx.prefix(..., graph=True)`` gives each Variable its own entry."""
     seen: dict[int, list[tuple[str, Any]]] = {}
     for name, tree in groups.items():
-        for base, entry, sub in prefix_of(prefixes[name], tree):
+        for base, entry, sub in prefix_of(prefixes[name], tree, whole=_none_or_tree_state):
+            entry_of = _entries(entry)
             for path, leaf in jax.tree_util.tree_leaves_with_path(
                 sub, is_leaf=_is_node_or_variable
             ):
@@ -163,7 +240,7 @@ def check_consistent(
                 for local, value in nnx.iter_graph(leaf, graph=True):
                     if isinstance(value, nnx.Variable):
                         site = where + "".join(f".{p}" for p in local)
-                        seen.setdefault(id(value), []).append((site, entry))
+                        seen.setdefault(id(value), []).append((site, entry_of(local, value)))
     conflicts = []
     for sites in seen.values():
         entries = [e for _, e in sites]
@@ -180,11 +257,23 @@ def check_consistent(
 # aliasing and updates
 
 
-def _variables(groups: dict[str, Any]) -> Iterator[tuple[str, KeyPath, nnx.Variable]]:
+def _variables(groups: dict[str, Any]) -> Iterator[tuple[str, KeyPath, nnx.Variable, str]]:
+    """``(group, key path, Variable, where)``: ``where`` names a Variable of a `TreeNode`
+    by its path in the graph node (``args[0].linear.kernel``), not in the `TreeNode`."""
     for name, tree in groups.items():
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_variable):
+        for base, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=_node_or_variable):
             if isinstance(leaf, nnx.Variable):
-                yield name, path, leaf
+                yield name, base, leaf, name + keystr(base)
+            elif isinstance(leaf, TreeNode):  # one jax leaf per node leaf, in order
+                inside = jax.tree_util.tree_leaves_with_path(leaf, is_leaf=is_variable)
+                for (sub, item), local in zip(inside, leaf.paths, strict=True):
+                    if isinstance(item, nnx.Variable):
+                        at = "".join(f".{k}" if isinstance(k, str) else f"[{k}]" for k in local)
+                        yield name, (*base, *sub), item, name + keystr(base) + at
+
+
+def _node_or_variable(x: Any) -> bool:
+    return isinstance(x, (TreeNode, nnx.Variable))
 
 
 def _writable(variable: nnx.Variable) -> bool:
@@ -203,8 +292,7 @@ def check_aliases(
     closed over (it cannot be returned: jax would leak its tracer)."""
     seen: dict[int, str] = {}
     out: dict[tuple[str, KeyPath], nnx.Variable] = {}
-    for name, path, variable in _variables(groups):
-        where = name + keystr(path)
+    for name, path, variable, where in _variables(groups):
         if name == returned and not _writable(variable):
             raise ValueError(_errors.captured_variable_returned(transform, where, variable))
         if id(variable) in seen:
@@ -234,9 +322,12 @@ def changed(post: nnx.Variable, pre: nnx.Variable) -> bool:
     )
 
 
-def prefix_of(prefix: Any, tree: Any) -> list[tuple[KeyPath, Any, Any]]:
-    """``(path, prefix leaf, subtree)`` for each leaf of ``prefix`` (None a leaf)."""
-    keyed, treedef = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=_none)
+def prefix_of(
+    prefix: Any, tree: Any, whole: Callable[[Any], bool] | None = None
+) -> list[tuple[KeyPath, Any, Any]]:
+    """``(path, prefix leaf, subtree)`` for each leaf of ``prefix``: None, and what
+    ``whole`` says is a leaf (default: None only)."""
+    keyed, treedef = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=whole or _none)
     subtrees = treedef.flatten_up_to(tree)
     return [(tuple(p), leaf, sub) for (p, leaf), sub in zip(keyed, subtrees, strict=True)]
 
@@ -325,14 +416,18 @@ class SimpleCall:
         prefixes: dict[str, Any],
         groups: list[Any],
         keep: Callable[[str, KeyPath], bool] = lambda name, path: False,
+        out_prefix: Any = None,
     ):
         self.transform = transform
         self.fun = fun
         self.graph = graph
-        self.prefixes = prefixes
+        self.given = prefixes  # of the arguments, as given
+        self.prefixes = {k: node_prefixes(v) for k, v in prefixes.items()}  # as jax gets them
+        self.out_prefix = node_prefixes(out_prefix)  # of the output, as jax gets it
         self.groups = groups
         self.keep = keep
         self.in_name = "in_shardings" if transform == "jit" else "in_specs"
+        self.out_name = "out_shardings" if transform == "jit" else "out_specs"
 
     def inner(self, *args: Any, **kwargs: Any) -> tuple[Any, list[Updates]]:
         """The function jax traces: the user's, on copies, returning the updates too."""
@@ -344,6 +439,10 @@ class SimpleCall:
         out = self.fun(*args, **kwargs)
         if self.graph:
             out = to_tree(out)
+            if self.out_prefix is not None:
+                check_node_prefixes(
+                    self.transform, self.out_name, self.out_prefix, out, lambda p: "out" + keystr(p)
+                )
         check_aliases(self.transform, {**current, "out": out}, returned="out")
         updates = get_updates(current, snapshot, self.prefixes, self.groups, self.keep)
         return out, updates
@@ -353,10 +452,13 @@ class SimpleCall:
     ) -> tuple[tuple[Any, ...], dict[str, Any], dict[tuple[str, KeyPath], nnx.Variable]]:
         """The arguments jax gets, and the caller's Variables by path."""
         if self.graph:
+            converted = to_tree((args, kwargs))
             if self.prefixes["args"] is not None:
+                prefix = (self.prefixes["args"], None)
+                check_node_prefixes(self.transform, self.in_name, prefix, converted, argument_name)
                 inputs = {"args": args, "kwargs": kwargs}
-                check_consistent(self.transform, self.in_name, inputs, self.prefixes)
-            args, kwargs = to_tree((args, kwargs))
+                check_consistent(self.transform, self.in_name, inputs, self.given)
+            args, kwargs = converted
         variables = check_aliases(self.transform, {"args": args, "kwargs": kwargs}) if check else {}
         return args, kwargs, variables
 

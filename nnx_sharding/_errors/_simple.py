@@ -99,7 +99,12 @@ def node_in_prefix_graph(transform: str, argument: str, where: str, node: Any) -
         where,
         "Rule: in graph mode a prefix may not hold graph nodes (a tree prefix made with "
         "`nnx.prefix(..., graph=False)` is for tree mode).",
-        [f"use tree mode: `nnx_sharding.{transform}(..., graph=False)`;", _ONE_SHARDING],
+        [
+            f"use tree mode: `nnx_sharding.{transform}(..., graph=False)`;",
+            "or, made by `nnx.prefix`, make the prefix for graph mode: "
+            "`nnx.prefix(model, rules, graph=True)`;",
+            f"or {_ONE_SHARDING}",
+        ],
         flax="Graph nodes are not allowed as prefixes when graph=True",
     )
 
@@ -120,22 +125,71 @@ def bound_method_simple(transform: str, type_name: str) -> str:
     )
 
 
-def graph_prefix_unsupported(transform: str, argument: str, where: str) -> str:
-    """flax's graph-mode tree prefix (``nnx.prefix(..., graph=True)``)."""
-    return _prefix_entry(
+def graph_prefix_in_tree_mode(transform: str, argument: str, where: str) -> str:
+    """flax's graph-mode prefix (``nnx.prefix(..., graph=True)``) in tree mode."""
+    return format_message(
         transform,
         argument,
-        "a prefix made by `nnx.prefix(..., graph=True)`",
-        where,
-        "Rule: nnx_sharding takes a prefix of a graph node's Variables as a StateSharding "
-        "(graph=True, graph_updates=True) or as a tree prefix in tree mode (graph=False); "
-        "flax's graph-mode tree prefix is not supported.",
+        [f"a prefix made by `nnx.prefix(..., graph=True)` at {where or 'the top'}"],
+        "Rule: in tree mode (graph=False) a graph node is a pytree, and its prefix is the "
+        "tree `nnx.prefix(..., graph=False)` makes; a prefix made with graph=True is for "
+        "graph=True, graph_updates=False.",
         [
-            f"use the full graph protocol, {_full(transform)}, with "
-            "`nnx_sharding.StateSharding(rules)` at that place;",
-            f"or tree mode, `nnx_sharding.{transform}(..., graph=False)`, with "
-            "`nnx.prefix(model, rules, graph=False)`;",
-            f"or {_ONE_SHARDING}",
+            "make the prefix for tree mode: `nnx.prefix(model, rules, graph=False)`;",
+            "or keep the prefix and use graph mode without graph updates: "
+            f"`nnx_sharding.{transform}(..., graph=True, graph_updates=False)`;",
+            f"or use the full graph protocol, {_full(transform)}, with "
+            "`nnx_sharding.StateSharding(rules)` at that place.",
+        ],
+        flax="`TreeState` objects are only allowed as prefixes when `graph=True` and "
+        "`graph_updates=False`",
+    )
+
+
+def node_prefix_difference(
+    where: str, not_node: str | None, missing: list[Any], extra: list[Any]
+) -> str:
+    """One place where a prefix made by ``nnx.prefix(..., graph=True)`` does not fit:
+    ``not_node`` names the type found there when it is not a graph node; else
+    ``missing`` and ``extra`` are the leaf paths the node there lacks and adds."""
+    if not_node is not None:
+        return f"{where} is a {not_node}, not a graph node"
+
+    def listed(paths: list[Any]) -> str:
+        names = [".".join(map(str, p)) for p in paths[:3]]
+        return ", ".join(names) + (", ..." if len(paths) > 3 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"lacks {listed(missing)}, which the prefix's node has")
+    if extra:
+        parts.append(f"has {listed(extra)}, which the prefix's node lacks")
+    if not parts:
+        parts.append(
+            "has the leaves of the prefix's node, but another graph definition (a static "
+            "attribute, a type or a shared reference differs)"
+        )
+    return f"{where} " + "; ".join(parts)
+
+
+def node_prefix_mismatch(transform: str, argument: str, problems: list[str]) -> str:
+    """A prefix made by ``nnx.prefix(node, ..., graph=True)`` for a node of another
+    graph definition (graph mode without graph updates)."""
+    return format_message(
+        transform,
+        argument,
+        problems,
+        "Rule: a prefix made by `nnx.prefix(node, rules, graph=True)` holds that node's "
+        "graph definition and fits a graph node of the same definition only (flax's "
+        "prefix as well); shared references count, so nodes that share Variables get "
+        "their prefixes from one call.",
+        [
+            "make the prefix from a node built like the one at that place: "
+            "`nnx.prefix(model, rules, graph=True)`;",
+            "for several arguments that share Variables, make their prefixes together: "
+            "`nnx.prefix((a, b), rules, graph=True)`;",
+            f"or use the full graph protocol, {_full(transform)}, with "
+            "`nnx_sharding.StateSharding(rules)`, which resolves its rules for each call.",
         ],
     )
 

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.extend.core import get_opaque_trace_state
 
@@ -36,6 +35,7 @@ from .._callpath.outside import (
     Leaf,
     NeedsTrace,
     OutPlan,
+    is_host_type,
     merge_call,
     partition_args,
     split_call,
@@ -238,16 +238,17 @@ class Entry:
 
     def arguments(self, call_leaves: list[Any]) -> tuple[list[Leaf], list[Leaf]] | None:
         """The jitted function's ``(donated, kept)`` for this call; None when a Variable
-        holds a numpy array (set since the last call): the full path converts it.
+        or a graph leaf holds a numpy array or a Python or numpy number (set since the
+        last call): the full path converts it (`_graph.as_jax`), as flax's call does.
 
-        The values are checked for numpy arrays only where they are not the very objects
-        that the last call left (`_seen`: read then, with what it wrote back since).
+        The values are checked only where they are not the very objects that the last
+        call left (`_seen`: read then, with what it wrote back since).
         """
         values = [*map(self._read, self.variables)]
         if self.leaves:
             values += self.leaves.read()
         if not (self._seen is not None and same_objects(values, self._seen)):
-            if np.ndarray in {*map(type, values)}:
+            if any(map(is_host_type, {*map(type, values)})):
                 return None
         self._seen = values
         sources = values + call_leaves

@@ -305,6 +305,26 @@ def test_variable_holding_a_numpy_array_holds_a_jax_array_after_a_call():
     parity(scenario)
 
 
+def test_python_numbers_in_a_module_as_flax_leaves_them():
+    # graph mode: jax arrays after a call, even an unchanged one; the others keep them
+    def scenario(impl, log):
+        m = Counter()
+        m.ratio, m.steps, m.flag = jnp.float32(0), jnp.int32(0), jnp.bool_(False)
+        m.ratio, m.steps, m.flag, m.half = 0.5, 3, True, np.float16(1.5)
+        m.note = nnx.BatchStat(2.5)
+        f = impl.jit(lambda m, x: (bump(m, x), m.ratio * m.steps))
+        shapes = log.raises("eval_shape", f.eval_shape, m, X)
+        for i in range(3):
+            log.value(f"out{i}", f(m, X))
+            log.state(f"m{i}", m)
+        g = impl.jit(lambda m: m)  # an input returned: tree mode refuses it
+        names = ("ratio", "steps", "flag", "half")
+        log.raises("returned", lambda: [repr(getattr(g.eval_shape(m), k)) for k in names])
+        log.fact("shapes", None if shapes is None else repr(shapes[1]))
+
+    parity(scenario)
+
+
 def test_pytree_of_arrays_and_python_constants_returned():
     def scenario(impl, log):
         m = Counter()

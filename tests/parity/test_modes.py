@@ -287,6 +287,61 @@ def test_variable_shared_by_two_modules(kw):
 
 
 @modes
+@pytest.mark.parametrize("case", ["input_returned", "same_variable_twice", "module_returned"])
+def test_eval_shape_refuses_what_the_call_refuses(kw, case):
+    # flax's TestEvalShape cases (no_input_output_aliasing, no_shared_variable_refs),
+    # through jit(...).eval_shape: flax's nnx.jit(...).eval_shape is the reference
+    def scenario(impl, log):
+        v = nnx.Param(jnp.array(1.0))
+        m = Counter()
+        if case == "input_returned":
+            f, args = impl.jit(lambda v: v, **kw), (v,)
+        elif case == "same_variable_twice":
+            f, args = impl.jit(lambda a, b: a[...] + b[...], **kw), (v, v)
+        else:
+            f, args = impl.jit(lambda m, x: (m(x), m), **kw), (m, X)
+        log.raises("eval_shape", lambda: jax.tree.map(lambda x: x.shape, f.eval_shape(*args)))
+        log.raises("call", lambda: jax.tree.map(jnp.shape, f(*args)))
+        log.value("v", v[...])
+        log.state("m", m)
+
+    parity(scenario)
+
+
+@modes
+def test_aliasing_errors_name_the_variable_by_its_path_in_the_module(kw):
+    m = Counter()
+    with pytest.raises(ValueError, match="Variable aliasing") as raised:
+        nnx_sharding.jit(lambda m: m.linear.kernel, **kw)(m)
+    assert "is at args[0].linear.kernel and at out\n" in str(raised.value), raised.value
+    if kw["graph"]:  # graph mode keeps shared references
+        return
+    with pytest.raises(ValueError, match="Variable aliasing") as raised:
+        nnx_sharding.jit(lambda a, b: None, **kw)(m, {"k": m.linear.kernel})
+    assert "is at args[0].linear.kernel and at args[1]['k']\n" in str(raised.value)
+
+
+def test_nnx_eval_shape_refuses_shared_variables_where_jit_eval_shape_takes_them():
+    """docs/migrating.md: with graph_updates=False, flax's nnx.eval_shape refuses a
+    Variable passed twice; flax's jit(...).eval_shape (and its call) take it, and so
+    does ours, as jit's."""
+    v = nnx.Param(jnp.array(1.0))
+
+    def f(a, b):
+        return a[...] + b[...]
+
+    with pytest.raises(ValueError, match="Duplicate"):
+        nnx.eval_shape(f, v, v, **MODES["no_updates"])
+    theirs = nnx.jit(f, **MODES["no_updates"]).eval_shape(v, v)
+    ours = nnx_sharding.jit(f, **MODES["no_updates"]).eval_shape(v, v)
+    assert (ours.shape, ours.dtype) == (theirs.shape, theirs.dtype) == ((), jnp.float32)
+    with pytest.raises(ValueError, match="Duplicate"):  # tree mode: all refuse it
+        nnx.eval_shape(f, v, v, **MODES["tree"])
+    with pytest.raises(ValueError, match="the same Variable is at args"):
+        nnx_sharding.jit(f, **MODES["tree"]).eval_shape(v, v)
+
+
+@modes
 def test_captured_variable_returned(kw):
     def scenario(impl, log):
         v = nnx.Param(jnp.array(1.0))
@@ -562,27 +617,6 @@ def test_donated_by_name_passed_positionally_keeps_its_value(kw):
         assert float(f(v, w)) == 3.0
         assert not v.get_raw_value().is_deleted()
         assert float(v[...]) == 1.0
-
-
-def test_graph_mode_tree_prefix_is_refused_with_its_fixes():
-    if not hasattr(nnx, "prefix"):
-        pytest.skip("nnx.prefix is new in flax 0.12.8")
-    rules = {...: NamedSharding(mesh8(), P())}
-    prefix = nnx.prefix(nnx.Linear(2, 8, rngs=nnx.Rngs(0)), rules, graph=True)
-    with pytest.raises(ValueError, match=r"nnx.prefix\(\.\.\., graph=True\)` at \[0\]"):
-        nnx_sharding.jit(lambda m: m, in_shardings=(prefix,), **MODES["no_updates"])
-    # the fixes it gives work
-    model = nnx.Linear(2, 8, rngs=nnx.Rngs(0))
-    full = nnx_sharding.jit(
-        lambda m: m.kernel[...], in_shardings=(nnx_sharding.StateSharding(rules),)
-    )
-    tree = nnx_sharding.jit(
-        lambda m: m.kernel[...],
-        in_shardings=(nnx.prefix(model, rules, graph=False),),
-        graph=False,
-    )
-    np.testing.assert_array_equal(full(model), model.kernel[...])
-    np.testing.assert_array_equal(tree(model), model.kernel[...])
 
 
 # 7. when the mode is decided: when jit/shard_map is called, as flax decides it

@@ -176,6 +176,10 @@ MUTATIONS: dict[str, tuple[tuple[str, ...], Any]] = {
     "data_list_replace_element": ((), lambda m, k: m.items.__setitem__(0, jnp.full(2, -k))),
     "registered_dataclass_fields": (("dataclass",), _dataclass_fields),
     "plain_array_attribute": (("offset",), lambda m, k: setattr(m, "offset", jnp.full(2, k))),
+    # graph mode gives each back as a jax array, even when the call does not change it
+    "python_number_attribute": (("offset",), lambda m, k: setattr(m, "offset", (1.5, 2)[k])),
+    "numpy_number_attribute": (("offset",), lambda m, k: setattr(m, "offset", np.float32(k))),
+    "python_number_value": ((), lambda m, k: m.extra.set_value(k + 0.5)),
 }
 
 # `step` writes and reads everything; a read-only call (no write-back at all) is checked
@@ -193,6 +197,9 @@ READ_ONLY = [
     "data_list_replace_element",
     "registered_dataclass_fields",
     "plain_array_attribute",
+    "python_number_attribute",
+    "numpy_number_attribute",
+    "python_number_value",
 ]
 CASES = [
     pytest.param(extras, mutate, fn, id=f"{name}-{fn.__name__}")
