@@ -36,14 +36,16 @@ def _tree_state_type() -> type | None:
     return None if prefix is None else type(prefix(nnx.Dict(), {...: None}, graph=True))
 
 
-def _is_tree_state(x: Any) -> bool:
+def is_tree_state(x: Any) -> bool:
+    """Whether ``x`` is what ``nnx.prefix(node, ..., graph=True)`` returns (flax's
+    ``TreeState``), by the very type flax builds, not by its name."""
     kind = _tree_state_type()
     return kind is not None and isinstance(x, kind)
 
 
 def _is_given_leaf(x: Any) -> bool:
     """A leaf of a prefix as given: ours, flax's ``nnx.StateSharding``, ``nnx.prefix``'s."""
-    return is_prefix_leaf(x) or isinstance(x, nnx.StateSharding) or _is_tree_state(x)
+    return is_prefix_leaf(x) or isinstance(x, nnx.StateSharding) or is_tree_state(x)
 
 
 def accept_flax(prefix: Any) -> Any:
@@ -52,13 +54,13 @@ def accept_flax(prefix: Any) -> Any:
     node by a `StateSharding` of its ``nnx.State`` (exact paths); ``prefix`` itself
     when it holds neither."""
     leaves = jax.tree_util.tree_leaves(prefix, is_leaf=_is_given_leaf)
-    if not any(isinstance(x, nnx.StateSharding) or _is_tree_state(x) for x in leaves):
+    if not any(isinstance(x, nnx.StateSharding) or is_tree_state(x) for x in leaves):
         return prefix
 
     def convert(x: Any) -> Any:
         if isinstance(x, nnx.StateSharding):
             return from_flax(x)
-        return StateSharding(x.state) if _is_tree_state(x) else x
+        return StateSharding(x.state) if is_tree_state(x) else x
 
     return jax.tree.map(convert, prefix, is_leaf=_is_given_leaf)
 

@@ -686,3 +686,20 @@ def test_messages_carry_flax_words(case):
         messages.append(str(info.value))
     assert phrase in messages[0], messages[0]
     assert messages[1].startswith("jit: ") and phrase in messages[1], messages[1]
+
+
+def test_one_answer_to_what_is_a_tree_prefix() -> None:
+    """``nnx.prefix(..., graph=True)``'s TreeState is recognised by flax's own type, on
+    every path (the full path and the simple path asked two functions that could
+    disagree: one matched the class name, and took a look-alike for it)."""
+    from flax import nnx
+
+    from nnx_sharding._callpath import simple
+    from nnx_sharding._sharding import is_tree_state
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    assert is_tree_state(nnx.prefix(model, {...: None}, graph=True))
+    assert not is_tree_state(nnx.prefix(model, {...: None}, graph=False))  # the module
+    look_alike = type("TreeState", (), {"__module__": "flax.nnx.other"})()
+    assert not is_tree_state(look_alike)
+    assert simple.is_tree_state is is_tree_state  # the simple path asks the same function

@@ -31,6 +31,7 @@ from jax.tree_util import keystr
 
 from .. import _errors
 from .._nodes import is_variable
+from .._sharding import is_tree_state
 from .._state_sharding import StateSharding
 
 KeyPath: TypeAlias = tuple[Any, ...]
@@ -61,7 +62,7 @@ def check_prefix(transform: str, name: str, prefix: Any, graph: bool) -> None:
             raise ValueError(_errors.variable_in_prefix(transform, name, where, leaf))
         if isinstance(leaf, (StateSharding, nnx.StateSharding)):
             raise ValueError(_errors.state_sharding_simple(transform, name, where))
-        if _is_tree_state(leaf) and not graph:  # graph mode takes it (`node_prefixes`)
+        if is_tree_state(leaf) and not graph:  # graph mode takes it (`node_prefixes`)
             raise ValueError(_errors.graph_prefix_in_tree_mode(transform, name, where))
         if graph and nnx.graph.is_graph_node(leaf):
             raise ValueError(_errors.node_in_prefix_graph(transform, name, where, leaf))
@@ -72,15 +73,10 @@ def check_prefix(transform: str, name: str, prefix: Any, graph: bool) -> None:
         is_leaf=lambda x: (
             x is None
             or _is_node_or_variable(x)
-            or _is_tree_state(x)
+            or is_tree_state(x)
             or isinstance(x, (StateSharding, nnx.StateSharding))
         ),
     )
-
-
-def _is_tree_state(x: Any) -> bool:
-    """flax's graph-mode tree prefix (``nnx.prefix(..., graph=True)``), by its type."""
-    return type(x).__name__ == "TreeState" and type(x).__module__.startswith("flax.")
 
 
 def node_prefixes(prefix: Any) -> Any:
@@ -89,16 +85,16 @@ def node_prefixes(prefix: Any) -> Any:
     that `to_tree` makes of such a node, its entries in place of the node's leaves: a
     prefix of the arguments (or outputs) as this path gives them to jax. It fits a node
     of the same graph definition only, as flax's does."""
-    if not any(map(_is_tree_state, jax.tree_util.tree_leaves(prefix, is_leaf=_is_tree_state))):
+    if not any(map(is_tree_state, jax.tree_util.tree_leaves(prefix, is_leaf=is_tree_state))):
         return prefix
 
     def convert(x: Any) -> Any:
-        if not _is_tree_state(x):
+        if not is_tree_state(x):
             return x
         flat = list(nnx.to_flat_state(x.state))
         return TreeNode(x.graphdef, tuple(tuple(p) for p, _ in flat), [v for _, v in flat])
 
-    return jax.tree.map(convert, prefix, is_leaf=lambda y: y is None or _is_tree_state(y))
+    return jax.tree.map(convert, prefix, is_leaf=lambda y: y is None or is_tree_state(y))
 
 
 def check_node_prefixes(
@@ -132,7 +128,7 @@ def _none_or_node(x: Any) -> bool:
 
 
 def _none_or_tree_state(x: Any) -> bool:
-    return x is None or _is_tree_state(x)
+    return x is None or is_tree_state(x)
 
 
 def _entries(entry: Any) -> Callable[[KeyPath, nnx.Variable], Any]:
@@ -141,7 +137,7 @@ def _entries(entry: Any) -> Callable[[KeyPath, nnx.Variable], Any]:
     ``nnx.prefix`` was given (kept by the prefix as ``prefix_fn``): a Variable shared
     with a node that comes first gets an entry by its path here as well, though the
     prefix holds it there only. Without one, the prefix's entry at that path."""
-    if not _is_tree_state(entry):
+    if not is_tree_state(entry):
         return lambda path, variable: entry
     given = getattr(getattr(entry, "prefix_fn", None), "value", None)
     if callable(given):
