@@ -8,7 +8,6 @@ the package imports neither.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._cli import quiet as _quiet  # noqa: F401  (first: jax starts without the plugins' noise)
 from ._cli.launch import initialize_distributed as initialize_distributed
 from ._export.export import export as export
 from ._export.program import Exported as Exported

@@ -1,4 +1,5 @@
-"""The plugins' start-up noise kept off stderr (nnx_sharding/_quiet.py)."""
+"""The compilers' start-up noise kept off stderr (nnx_sharding/_cli/quiet.py), and none made
+by importing the package."""
 
 from __future__ import annotations
 
@@ -32,9 +33,31 @@ def test_quiet_keeps_what_is_not_known_plugin_noise(capfd):
     assert capfd.readouterr().err == "a real warning\na Python warning\n"
 
 
+def _run(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with no jax or XLA settings in its environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "TPU_"))}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 def test_importing_the_package_prints_nothing():
-    # a fresh interpreter: with the GPU compiler installed and no driver, jax's CUDA
-    # libraries would print "Could not find cuda drivers" here
     code = "import nnx_sharding, jax; jax.config.update('jax_platforms', 'cpu'); jax.numpy.ones(2)"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    run = _run(code)
     assert (run.returncode, run.stdout, run.stderr) == (0, "", "")
+
+
+def test_importing_the_package_loads_no_compiler_and_silences_nothing():
+    """``import nnx_sharding`` defines the package: it imports no noise suppression and
+    loads neither compiler (the CUDA plugin was loaded through ctypes, with stderr
+    redirected, while jax was imported)."""
+    code = (
+        "import sys, nnx_sharding\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "names = ('nnx_sharding._cli.quiet', 'nnx_sharding.plan', 'libtpu',\n"
+        "         'jax_plugins.xla_cuda12')\n"
+        "print([name for name in names if name in sys.modules])\n"
+        "print([lib for lib in ('libtpu.so', 'xla_cuda_plugin.so') if lib in maps])\n"
+    )
+    run = _run(code)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "[]\n[]\n", "")

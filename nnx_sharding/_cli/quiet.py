@@ -1,19 +1,16 @@
-"""Keeps the accelerator plugins' start-up noise off stderr.
+"""Keeps the planner's compilers' start-up noise off stderr, where they are loaded.
 
-With the planner's compilers installed (the ``tpu`` and ``gpu`` extras) on a machine
-without those accelerators, jax's CUDA plugin logs "Could not find cuda drivers" from
-C++ each time one of its libraries loads (on ``import jax`` and again when jax starts
-its backends), and libtpu logs host-discovery errors when asked for a topology. None of
-it concerns the user. Importing this module first imports jax and the CUDA plugin's
-extension with those known lines dropped (anything else they print is passed on).
+On a machine without those accelerators, jax's CUDA plugin logs "Could not find cuda
+drivers" from C++ when its library loads, and libtpu logs host-discovery errors when
+asked for a topology. None of it concerns the user: `quiet` runs such a call with file
+descriptor 2, ``sys.stderr`` and jax's plugin loggers silenced. Importing this module
+does nothing else (importing ``nnx_sharding`` does not import it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
-import importlib.util
 import io
 import logging
 import os
@@ -69,28 +66,3 @@ def quiet(keep_unknown: bool = False) -> Iterator[None]:
 def _flush_c_stdio() -> None:
     with contextlib.suppress(Exception):
         ctypes.CDLL(None).fflush(None)
-
-
-def _import_jax() -> None:
-    if "jax" in sys.modules:
-        return
-    with quiet(keep_unknown=True):
-        import jax  # noqa: F401
-
-        # What jax's CUDA plugin loads when the backends start, loaded now, quietly (a
-        # library loads once: jax's own loading of it later prints nothing).
-        for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"):
-            with contextlib.suppress(ImportError):
-                importlib.import_module(f"{name}.cuda_plugin_extension")
-                break
-        for name in ("xla_cuda13", "xla_cuda12"):
-            with contextlib.suppress(Exception):
-                spec = importlib.util.find_spec(f"jax_plugins.{name}")
-                if spec is not None and spec.submodule_search_locations:
-                    folder = list(spec.submodule_search_locations)[0]
-                    library = os.path.join(folder, "xla_cuda_plugin.so")
-                    if os.path.exists(library):
-                        ctypes.CDLL(library)
-
-
-_import_jax()
