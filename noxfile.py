@@ -31,6 +31,7 @@ def tests(session: nox.Session, flax: str) -> None:
     session.install("-e", ".[test]")
     # Installed on its own: pins the oldest release pyproject.toml allows, or upgrades.
     session.install("--upgrade", FLAX_VERSIONS[flax])
+    session.run("python", "-m", "nnx_sharding", "compilers", "--install")  # tests/plan uses them
     session.run("python", "-c", "import flax; print('flax', flax.__version__)")
     session.run("pytest", "-n", "2", *session.posargs)
 

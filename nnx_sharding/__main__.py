@@ -1,6 +1,6 @@
 """The command line: ``python -m nnx_sharding [--devices N] [--steps N] [--mesh AXES]
 [--checkpoint DIR]``, and its commands (`SUBCOMMANDS`): ``python -m nnx_sharding aot ...``,
-``python -m nnx_sharding plan ...``.
+``python -m nnx_sharding plan ...``, ``python -m nnx_sharding compilers ...``.
 
 Trains the tensor-parallel MLP recipe (`nnx_sharding.recipes`) on simulated CPU
 devices next to a single-device reference, then prints every parameter's sharding
@@ -47,6 +47,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "plan the built-in decoder's layout on N devices: every candidate compiled, "
         "ranked by predicted step time",
     ),
+    "compilers": (
+        "nnx_sharding.plan._plugins:main",
+        "say where the planner's TPU and GPU compilers are; with --install, install them "
+        "where only the planner loads them",
+    ),
 }
 """``python -m nnx_sharding NAME ...``: NAME -> (``module:function`` taking the rest of
 the command line and returning the exit status, a one-line description for ``--help``)."""
@@ -55,8 +60,13 @@ the command line and returning the exit status, a one-line description for ``--h
 def _epilog() -> str:
     """The recipes, the commands (from `SUBCOMMANDS`) and the launcher, for ``--help``."""
 
+    width = max(8, *(len(name) + 2 for name in SUBCOMMANDS))  # the names, then two spaces
+
     def entry(head: str, text: str) -> str:
-        lines = textwrap.wrap(text, 80, initial_indent=f"  {head:<8}", subsequent_indent=" " * 10)
+        indent = " " * (2 + width)
+        lines = textwrap.wrap(
+            text, 80, initial_indent=f"  {head:<{width}}", subsequent_indent=indent
+        )
         return "\n".join(lines)
 
     commands = "\n".join(entry(name, text) for name, (_, text) in SUBCOMMANDS.items())

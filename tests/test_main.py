@@ -107,12 +107,13 @@ def test_help_lists_the_options_the_commands_and_the_launcher():
     assert run.returncode == 0 and run.stderr == "", run.stderr
     out = run.stdout
     assert out.startswith("usage: python -m nnx_sharding [--devices N] [--steps N] [--mesh AXES]")
-    assert "python -m nnx_sharding {aot,plan} [--help] ..." in out
+    assert "python -m nnx_sharding {aot,plan,compilers} [--help] ..." in out
     for option in ("--devices N", "--steps N", "--mesh AXES", "--checkpoint DIR"):
         assert option in out
     commands = out[out.index("commands (") : out.index("launcher")]
     assert re.search(r"^  aot +compile a sharded transformer's training step", commands, re.M)
     assert re.search(r"^  plan +plan the built-in decoder's layout on N devices", commands, re.M)
+    assert re.search(r"^  compilers +say where the planner's TPU and GPU compilers", commands, re.M)
     assert "python -m nnx_sharding COMMAND --help" in commands
     launcher = out[out.index("launcher") :]
     assert "python -m nnx_sharding.launch -n N [--devices-per-process D]" in launcher
@@ -135,7 +136,8 @@ def test_a_new_command_is_one_entry(monkeypatch, capsys):
         parse(["--help"])
     assert raised.value.code == 0
     out = capsys.readouterr().out
-    assert "{aot,plan,echo}" in out and re.search(r"^  echo +prints its arguments$", out, re.M)
+    assert "{aot,plan,compilers,echo}" in out
+    assert re.search(r"^  echo +prints its arguments$", out, re.M)
     assert cli.main(["echo", "a", "--b"]) == 7
     assert capsys.readouterr().out == "['a', '--b']\n"
 

@@ -1,5 +1,5 @@
 """The compilers' start-up noise kept off stderr (nnx_sharding/_cli/quiet.py), and none made
-by importing the package."""
+by installing or importing the package: jax programs print what they printed without it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import logging
 import os
 import subprocess
 import sys
+from importlib.util import find_spec
+
+import pytest
 
 from nnx_sharding._cli.quiet import quiet
 
@@ -61,3 +64,20 @@ def test_importing_the_package_loads_no_compiler_and_silences_nothing():
     )
     run = _run(code)
     assert (run.returncode, run.stdout, run.stderr) == (0, "[]\n[]\n", "")
+
+
+@pytest.mark.parametrize(
+    "code", ["import jax; jax.devices()", "import nnx_sharding, jax; jax.devices()"]
+)
+def test_jax_prints_nothing_where_the_package_and_compilers_are_installed(code):
+    """Where the package is installed (with its compilers, as the test command installs
+    them), a jax program that starts every backend it knows prints nothing: the compilers
+    are not where jax looks. Installed as packages (the former ``tpu`` and ``gpu``
+    extras), jax's start printed 30 lines of their errors on a machine without a GPU."""
+    run = _run(code)
+    found = [name for name in ("libtpu", "jax_plugins", "jax_cuda12_plugin") if find_spec(name)]
+    assert (run.returncode, run.stderr) == (0, ""), (
+        f"jax finds {found} in this environment: uninstall them "
+        "(`python -m nnx_sharding compilers --install` puts the planner's compilers where "
+        f"jax does not look)\n{run.stderr[-3000:]}"
+    )

@@ -56,9 +56,10 @@ def plan_no_tpu_compiler(spec: str) -> str:
         "accelerator",
         [f"{spec!r} needs the TPU compiler (libtpu), which is not installed"],
         "Rule: TPU plans are compiled by the TPU's own compiler, on this machine, with no "
-        "TPU attached; it comes with jax[tpu].",
+        "TPU attached; the planner loads it where `python -m nnx_sharding compilers "
+        "--install` puts it (or from jax[tpu]).",
         [
-            "install it: `pip install 'nnx_sharding[tpu]'`;",
+            "install it: `python -m nnx_sharding compilers --install tpu`;",
             "or plan for a GPU preset or the CPU, e.g. `accelerator='h100'`.",
         ],
     )
@@ -92,7 +93,7 @@ def plan_too_few_cpu_devices(needed: int, present: int) -> str:
             f"{needed})` before jax's first use);",
             f"or use the command line, which starts itself with enough: `python -m "
             f"nnx_sharding plan --devices {needed} ...`;",
-            "or install a compiler for your accelerator: `pip install 'nnx_sharding[gpu]'` "
-            "or `'nnx_sharding[tpu]'`.",
+            "or install a compiler for your accelerator: `python -m nnx_sharding compilers "
+            "--install gpu` (or `tpu`).",
         ],
     )

@@ -2,32 +2,23 @@
 else the process's CPU devices.
 
 No accelerator is needed: ``jax.experimental.topologies.get_topology_desc`` describes
-devices that the real TPU compiler (``libtpu``, the ``nnx_sharding[tpu]`` extra) or GPU
-compiler (``jax-cuda12-plugin`` and ``jax-cuda12-pjrt``, the ``nnx_sharding[gpu]``
-extra) lowers and compiles for, on a machine that has none of them. A GPU is described
-by a ``stream_executor.GpuTargetConfigProto`` in text format, shipped here as package
-data (``gpu_targets/*.txtpb``) per GPU preset.
+devices that the real TPU compiler (``libtpu``) or GPU compiler (jax's CUDA PJRT plugin)
+lowers and compiles for, on a machine that has none of them. Both are installed by
+``python -m nnx_sharding compilers --install`` where no other program loads them, and
+loaded from there on the first call here (`nnx_sharding.plan._plugins`). A GPU is
+described by a ``stream_executor.GpuTargetConfigProto`` in text format, shipped here as
+package data (``gpu_targets/*.txtpb``) per GPU preset.
 
-The plugins print their initialisation errors (no driver, no TPU host) on stderr; the
-calls here run with stderr and jax's plugin logging silenced (`nnx_sharding._cli.quiet`).
-
-Two processes that load ``libtpu`` at once fail on its lock file (``/tmp/libtpu_lockfile``)
-unless ``ALLOW_MULTIPLE_LIBTPU_LOAD`` is set: importing this module sets it (unless the
-environment already says otherwise), so that planning runs in parallel processes.
-
-On a machine without CUDA, the CUDA plugin refuses to register itself when jax's platforms
-are left unset (its CUDA version check fails), and jax then has no GPU topology; the
-planner registers it again with that check skipped (`_register_cuda_plugin`), so the GPU
-compiler is used whether or not ``JAX_PLATFORMS`` is set.
+The compilers print their initialisation errors (no driver, no TPU host) on stderr; the
+calls here that load them run with stderr and jax's plugin logging silenced
+(`nnx_sharding._cli.quiet.quiet`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.resources
-import importlib.util
 import math
-import os
 from collections.abc import Iterator
 from typing import Literal
 
@@ -36,11 +27,8 @@ import jax
 from .. import _errors
 from .._cli.quiet import quiet
 from .._types import Device
+from . import _plugins
 from ._accelerator import Accelerator, resolve_accelerator
-
-# Before libtpu is first loaded (a jax backend or a TPU topology): processes planning in
-# parallel would otherwise fail on libtpu's lock file.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 __all__ = ["compile_devices", "default_tpu_topology", "has_gpu_compiler", "has_tpu_compiler"]
 
@@ -54,19 +42,14 @@ _TPU_DIMS = {"v5e": 2, "v6e": 2, "v5p": 3, "v4": 3}
 
 
 def has_tpu_compiler() -> bool:
-    """Whether ``libtpu`` (the ``nnx_sharding[tpu]`` extra) is installed."""
-    return importlib.util.find_spec("libtpu") is not None
+    """Whether the TPU compiler (``libtpu``) is installed (`_plugins.tpu_library`)."""
+    return _plugins.tpu_library() is not None
 
 
 def has_gpu_compiler() -> bool:
-    """Whether jax's CUDA plugin (the ``nnx_sharding[gpu]`` extra) is installed."""
-    try:
-        return all(
-            importlib.util.find_spec(name) is not None
-            for name in ("jax_plugins.xla_cuda12", "jax_cuda12_plugin")
-        )
-    except ModuleNotFoundError:
-        return False
+    """Whether the GPU compiler (jax's CUDA PJRT plugin) is installed
+    (`_plugins.cuda_library`)."""
+    return _plugins.cuda_library() is not None
 
 
 def gpu_target_config(name: str) -> str:
@@ -110,7 +93,10 @@ def _tpu_topology(
     kwargs: dict[str, object] = {"num_slices": num_slices} if num_slices > 1 else {}
     if host is not None:
         kwargs["chips_per_host_bounds"] = list(host)
-    with quiet():
+    library = _plugins.tpu_library()
+    if library is None:
+        raise ValueError(_errors.plan_no_tpu_compiler(name))
+    with quiet(), _plugins.tpu_library_env(library):
         return tuple(topologies.get_topology_desc(name, "tpu", **kwargs).devices)
 
 
@@ -125,6 +111,9 @@ def _small_slice(accelerator: Accelerator, name: str) -> tuple[int, ...] | None:
 
 @functools.cache
 def _gpu_topology(name: str, topology: str) -> tuple[Device, ...]:
+    """Compile-only GPUs: those of the CUDA plugin jax registered itself (``jax[cuda12]``
+    on a machine with CUDA), else of the plugin `_plugins.cuda_library` finds, registered
+    now (the first ``get_topology_desc`` also lets jax register the plugins it finds)."""
     from jax.experimental import topologies
 
     text = gpu_target_config(name)
@@ -133,43 +122,15 @@ def _gpu_topology(name: str, topology: str) -> tuple[Device, ...]:
             described = topologies.get_topology_desc(
                 platform="cuda", target_config=text, topology=topology
             )
-        except NotImplementedError:  # the plugin did not register: no CUDA here
-            if not _register_cuda_plugin():
+        except NotImplementedError:  # jax knows no CUDA plugin: register the planner's
+            library = _plugins.cuda_library()
+            if library is None:
                 raise
+            _plugins.register_cuda(library)
             described = topologies.get_topology_desc(
                 platform="cuda", target_config=text, topology=topology
             )
         return tuple(described.devices)
-
-
-def _register_cuda_plugin() -> bool:
-    """Registers jax's CUDA plugin for compiling only; whether it registered.
-
-    With jax's platforms unset, the plugin's ``initialize`` (the entry point jax calls for
-    every installed plugin) first checks the CUDA libraries and, on a machine without
-    them, raises before registering: jax then knows no ``cuda`` topology. Compiling needs
-    none of those libraries, so this calls ``initialize`` again with that check skipped
-    (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``, set only for the call). A backend jax starts
-    later still finds no GPU and falls back to the CPU, as it did before.
-    """
-    import importlib
-
-    try:
-        plugin = importlib.import_module("jax_plugins.xla_cuda12")
-    except ImportError:
-        return False
-    saved = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
-    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    try:
-        plugin.initialize()
-    except Exception:  # noqa: BLE001 - the plugin cannot register: the caller's fallback
-        return False
-    finally:
-        if saved is None:
-            del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
-        else:
-            os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = saved
-    return True
 
 
 def compile_devices(
@@ -182,9 +143,11 @@ def compile_devices(
 
     - TPU: compile-only devices of ``topology`` (``"v5e:16x16"``; by default the
       squarest slice of ``n / num_slices`` chips the TPU compiler accepts), with
-      ``num_slices`` slices; needs the ``nnx_sharding[tpu]`` extra.
+      ``num_slices`` slices; needs the TPU compiler
+      (``python -m nnx_sharding compilers --install tpu``).
     - GPU presets: compile-only GPUs, ``num_slices`` × hosts × ``devices_per_node``;
-      without the ``nnx_sharding[gpu]`` extra, the CPU devices below, and the note says so.
+      without the GPU compiler (``... compilers --install gpu``), the CPU devices below,
+      and the note says so.
     - CPU: the process's CPU devices (simulate them with ``JAX_NUM_CPU_DEVICES``).
 
     Raises:
@@ -213,7 +176,7 @@ def compile_devices(
         if not has_gpu_compiler():
             note = (
                 f"compiled for simulated CPU devices: install the GPU compiler for "
-                f"{name}'s own figures (pip install 'nnx_sharding[gpu]')"
+                f"{name}'s own figures (python -m nnx_sharding compilers --install gpu)"
             )
             return _cpu_devices(n), "cpu", note
         per_host = min(accelerator.devices_per_node, math.ceil(n / num_slices))

@@ -1,5 +1,6 @@
 """Devices to compile for (nnx_sharding/plan/_devices.py): compile-only TPUs and GPUs when
-their compilers are installed (the tpu and gpu extras), else CPU devices.
+their compilers are installed (``python -m nnx_sharding compilers --install``), else CPU
+devices.
 
 The TPU and GPU tests compile a small FSDP training step with the real compilers, on
 this machine, with no accelerator: the gradients must leave as reduce-scatters and each
@@ -23,12 +24,8 @@ from nnx_sharding.plan import _devices
 from nnx_sharding.plan._accelerator import PRESETS
 from nnx_sharding.plan._devices import compile_devices, default_tpu_topology
 
-needs_tpu = pytest.mark.skipif(
-    not _devices.has_tpu_compiler(), reason="needs the TPU compiler: nnx_sharding[tpu]"
-)
-needs_gpu = pytest.mark.skipif(
-    not _devices.has_gpu_compiler(), reason="needs the GPU compiler: nnx_sharding[gpu]"
-)
+needs_tpu = pytest.mark.skipif(not _devices.has_tpu_compiler(), reason="needs the TPU compiler")
+needs_gpu = pytest.mark.skipif(not _devices.has_gpu_compiler(), reason="needs the GPU compiler")
 
 D, F = 256, 1024  # shards of every array are whole rows on 8 devices
 
@@ -120,16 +117,18 @@ def test_gpu_without_a_target_description_falls_back_to_cpu_saying_so():
 
 
 @pytest.mark.skipif(_devices.has_tpu_compiler(), reason="the TPU compiler is installed")
-def test_tpu_without_its_compiler_names_the_extra():
-    with pytest.raises(ValueError, match=re.escape("pip install 'nnx_sharding[tpu]'")):
+def test_tpu_without_its_compiler_says_how_to_install_it():
+    with pytest.raises(
+        ValueError, match=re.escape("python -m nnx_sharding compilers --install tpu")
+    ):
         compile_devices("v5e:2x4", 8)
 
 
 @pytest.mark.skipif(_devices.has_gpu_compiler(), reason="the GPU compiler is installed")
-def test_gpu_without_its_compiler_falls_back_to_cpu_naming_the_extra():
+def test_gpu_without_its_compiler_falls_back_to_cpu_saying_how_to_install_it():
     devices, compiler, note = compile_devices("h100", 8)
     assert (devices, compiler) == (jax.devices("cpu")[:8], "cpu")
-    assert "pip install 'nnx_sharding[gpu]'" in note
+    assert "(python -m nnx_sharding compilers --install gpu)" in note
 
 
 @needs_tpu

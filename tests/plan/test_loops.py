@@ -93,7 +93,7 @@ def test_a_scanned_decoder_computes_as_the_unrolled_one():
         np.testing.assert_allclose(stacked, getattr(gb.layers, name)[...], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.skipif(not has_gpu_compiler(), reason="needs nnx_sharding[gpu]")
+@pytest.mark.skipif(not has_gpu_compiler(), reason="needs the GPU compiler")
 def test_a_scanned_decoder_plans_as_the_unrolled_one_on_the_gpu_compiler():
     """The GPU compiler's figures: the same FLOPs, state and collectives, except that
     FSDP gathers each layer's weights again for the backward pass (the unrolled program
@@ -111,7 +111,7 @@ def test_a_scanned_decoder_plans_as_the_unrolled_one_on_the_gpu_compiler():
         assert b.collectives == expected, layout
 
 
-@pytest.mark.skipif(not has_tpu_compiler(), reason="needs nnx_sharding[tpu]")
+@pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
 def test_a_scanned_decoder_plans_as_the_unrolled_one_on_the_tpu_compiler():
     """The TPU compiler writes no trip count: it is read from the loop's condition. The
     same state and gradient reductions (all-reduced, or reduce-scattered by FSDP), the
@@ -128,7 +128,7 @@ def test_a_scanned_decoder_plans_as_the_unrolled_one_on_the_tpu_compiler():
         assert scanned[layout].collectives[kind] == unrolled[layout].collectives[kind], layout
 
 
-@pytest.mark.skipif(not has_gpu_compiler(), reason="needs nnx_sharding[gpu]")
+@pytest.mark.skipif(not has_gpu_compiler(), reason="needs the GPU compiler")
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_tensor_parallel_all_reduces_once_per_block_and_pass_on_the_gpu_compiler(scan):
     """Megatron's count: one all-reduce of ``tokens · d_model`` floats per attention and
@@ -163,7 +163,7 @@ LOOPS = {  # name: (step, the body's runs the planner counts)
 }
 
 
-@pytest.mark.skipif(not has_tpu_compiler(), reason="needs nnx_sharding[tpu]")
+@pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_the_tpu_compilers_loops_count_only_what_their_condition_and_counter_prove(name):
     """The TPU compiler writes no trip count. A loop ``i < N`` whose body adds 1 to an
@@ -177,7 +177,7 @@ def test_the_tpu_compilers_loops_count_only_what_their_condition_and_counter_pro
     assert round(dp.flops / once) == counted, dp.flops / once
 
 
-@pytest.mark.skipif(not has_tpu_compiler(), reason="needs nnx_sharding[tpu]")
+@pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
 def test_the_tpu_compilers_convolution_matmuls_count_as_their_multiply_adds():
     """The TPU compiler writes batched matmuls and their gradients as convolutions with
     windows and padding; each counts the multiply-adds that read an input element."""

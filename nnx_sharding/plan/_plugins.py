@@ -1,0 +1,200 @@
+"""The planner's compilers, found where jax does not look and loaded only on demand.
+
+Installed as the packages jax knows (``libtpu``, ``jax-cuda12-pjrt`` and
+``jax-cuda12-plugin``), the TPU and GPU compilers are loaded by every jax program of the
+environment: on a machine without a GPU or TPU, ``import jax; jax.devices()`` then
+prints 30 lines of their start-up errors (jax 0.10.2, measured). So
+``python -m nnx_sharding compilers --install`` puts them with pip in a folder of their
+own (`compilers_dir`), which no program searches, and the planner loads them from there
+when it first asks for compile-only devices: ``libtpu`` through ``TPU_LIBRARY_PATH``,
+the variable jax reads when it loads the TPU library (`tpu_library_env`), and the CUDA
+plugin by registering its library with jax (`register_cuda`). Compilers installed the
+usual way (``jax[tpu]``, ``jax[cuda12]``) are found too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from .._cli.common import Parser
+
+__all__ = [
+    "COMPILERS",
+    "compilers_dir",
+    "cuda_library",
+    "main",
+    "package_folder",
+    "register_cuda",
+    "requirement",
+    "tpu_library",
+    "tpu_library_env",
+]
+
+COMPILERS = ("tpu", "gpu")
+"""What ``compilers --install`` installs: the TPU compiler and the GPU compiler."""
+DIR_ENV = "NNX_SHARDING_COMPILERS"
+"""Overrides the folder the compilers are installed in and looked for (`compilers_dir`)."""
+PROG = "python -m nnx_sharding compilers"
+
+
+def compilers_dir() -> Path:
+    """The folder of the compilers for the installed jax: ``$NNX_SHARDING_COMPILERS`` (else
+    ``~/.cache/nnx_sharding/compilers``) / ``jax-VERSION``, one subfolder per compiler.
+
+    A folder per jax version: each jax takes the compilers of its own release.
+    """
+    root = os.environ.get(DIR_ENV)
+    if not root:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+        root = os.path.join(cache, "nnx_sharding", "compilers")
+    return Path(root) / f"jax-{importlib.metadata.version('jax')}"
+
+
+def package_folder(name: str) -> Path | None:
+    """An installed package's folder, found without importing it (``import libtpu`` sets
+    ``TPU_LIBRARY_PATH`` for the whole process)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def tpu_library() -> str | None:
+    """The TPU compiler's library (``libtpu.so``), or None: ``$TPU_LIBRARY_PATH`` where it
+    names a file, else the one `compilers_dir` holds, else an installed ``libtpu``."""
+    candidates = [
+        os.environ.get("TPU_LIBRARY_PATH") or "",
+        compilers_dir() / "tpu" / "libtpu" / "libtpu.so",
+    ]
+    folder = package_folder("libtpu")
+    if folder is not None:
+        candidates.append(folder / "libtpu.so")
+    return next((str(c) for c in candidates if c and os.path.isfile(c)), None)
+
+
+def cuda_library() -> str | None:
+    """The GPU compiler's library (jax's CUDA PJRT plugin), or None: the one
+    `compilers_dir` holds, else that of an installed ``jax[cuda12]``."""
+    candidates = [compilers_dir() / "gpu" / "jax_plugins" / "xla_cuda12" / "xla_cuda_plugin.so"]
+    folder = package_folder("jax_plugins.xla_cuda12")
+    if folder is not None:
+        candidates.append(folder / "xla_cuda_plugin.so")
+    return next((str(c) for c in candidates if c.is_file()), None)
+
+
+@contextlib.contextmanager
+def tpu_library_env(library: str) -> Iterator[None]:
+    """Runs its block with ``TPU_LIBRARY_PATH`` set to ``library`` (jax loads the TPU
+    library from there on a first TPU topology) and ``ALLOW_MULTIPLE_LIBTPU_LOAD`` set
+    unless the environment says otherwise (without it, processes planning in parallel
+    fail on libtpu's lock file, ``/tmp/libtpu_lockfile``); both as they were afterwards."""
+    saved = {
+        name: os.environ.get(name) for name in ("TPU_LIBRARY_PATH", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+    }
+    os.environ["TPU_LIBRARY_PATH"] = library
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def register_cuda(library: str) -> None:
+    """Registers the CUDA PJRT plugin in ``library`` with jax, for compile-only GPUs.
+
+    jax registers a plugin only from the packages it finds at start-up, which is what
+    keeps these compilers out of other programs; its one call for doing so later is the
+    private ``jax._src.xla_bridge.register_plugin``, used here alone. Where a jax lacks
+    it, this raises, and the planner compiles for simulated CPU devices, saying why.
+    No CUDA library or driver is needed to compile; on a machine with an NVIDIA GPU and
+    no CUDA libraries, a jax backend started later would fail on the plugin.
+    """
+    try:
+        from jax._src import xla_bridge
+
+        register = xla_bridge.register_plugin
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(
+            f"this jax ({importlib.metadata.version('jax')}) has no register_plugin to load "
+            f"the GPU compiler with: {e}"
+        ) from e
+    register("cuda", priority=500, library_path=library)
+
+
+def requirement(compiler: str) -> str:
+    """The pip requirement of a compiler for the installed jax: libtpu as pinned by
+    ``jax[tpu]``, the CUDA PJRT plugin of jaxlib's own version.
+
+    >>> requirement("gpu") == "jax-cuda12-pjrt==" + importlib.metadata.version("jaxlib")
+    True
+    """
+    if compiler == "gpu":
+        return f"jax-cuda12-pjrt=={importlib.metadata.version('jaxlib')}"
+    for line in importlib.metadata.requires("jax") or []:
+        spec, _, marker = line.partition(";")
+        if spec.strip().startswith("libtpu") and 'extra == "tpu"' in marker:
+            return spec.strip().replace(" ", "")
+    raise RuntimeError(f"jax {importlib.metadata.version('jax')} names no libtpu in its tpu extra")
+
+
+def _install(compiler: str) -> int:
+    """pip installs one compiler into its subfolder of `compilers_dir`; the exit status.
+
+    pip writes a scratch folder that becomes the compiler's only when pip succeeded, so
+    that an interrupted install is never taken for a compiler.
+    """
+    target = compilers_dir() / compiler
+    scratch = target.with_name(f"{compiler}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
+    command += ["--only-binary=:all:", "--target", str(scratch), requirement(compiler)]
+    print(f"{PROG}: {' '.join(command[2:])}", flush=True)
+    status = subprocess.run(command).returncode
+    if status:
+        shutil.rmtree(scratch, ignore_errors=True)
+        return status
+    shutil.rmtree(target, ignore_errors=True)
+    scratch.rename(target)
+    return 0
+
+
+def _where(compiler: str) -> str | None:
+    return tpu_library() if compiler == "tpu" else cuda_library()
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m nnx_sharding compilers [--install] [tpu] [gpu]``: says where each
+    compiler is; with ``--install``, first pip installs those not found."""
+    parser = Parser(
+        prog=PROG,
+        description="The planner's TPU and GPU compilers: where they are, or install them "
+        f"(with pip, into {compilers_dir()}, a folder jax does not search, so that other jax "
+        f"programs do not load them; set {DIR_ENV} for another).",
+    )
+    parser.add_argument("compilers", nargs="*", metavar="{tpu,gpu}", help="(default: both)")
+    parser.add_argument("--install", action="store_true", help="install those not found")
+    args = parser.parse_args(argv)
+    if wrong := [c for c in args.compilers if c not in COMPILERS]:
+        parser.error(f"unknown compiler {wrong[0]!r}; choose among {', '.join(COMPILERS)}")
+    compilers = args.compilers or list(COMPILERS)
+    status = 0
+    for compiler in compilers:
+        if args.install and _where(compiler) is None:
+            status = status or _install(compiler)
+        print(f"{compiler}: {_where(compiler) or 'not installed'}")
+    return status
