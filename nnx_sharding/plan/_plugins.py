@@ -115,25 +115,44 @@ def tpu_library_env(library: str) -> Iterator[None]:
 
 
 def register_cuda(library: str) -> None:
-    """Registers the CUDA PJRT plugin in ``library`` with jax, for compile-only GPUs.
+    """Registers the CUDA PJRT plugin in ``library`` with jax for compile-only GPUs: jax
+    gets its topologies, never a backend (one it starts later fails quietly without it).
 
-    jax registers a plugin only from the packages it finds at start-up, which is what
-    keeps these compilers out of other programs; its one call for doing so later is the
-    private ``jax._src.xla_bridge.register_plugin``, used here alone. Where a jax lacks
-    it, this raises, and the planner compiles for simulated CPU devices, saying why.
-    No CUDA library or driver is needed to compile; on a machine with an NVIDIA GPU and
-    no CUDA libraries, a jax backend started later would fail on the plugin.
+    jax registers a plugin's backend only for the packages it finds at start-up, which is
+    what keeps these compilers out of other programs. Later, ``register_backend_factory``
+    (public, ``jax.extend.backend``) takes a plugin already loaded: loading it and making
+    its topologies are ``jaxlib.xla_client``'s, the one undocumented API used here. Where a
+    jax lacks them, this raises, and the planner compiles for simulated CPU devices with
+    the reason in its note. No CUDA library or driver is needed to compile.
     """
-    try:
-        from jax._src import xla_bridge
+    from functools import partial
 
-        register = xla_bridge.register_plugin
+    from jax.extend.backend import register_backend_factory
+
+    try:
+        from jaxlib import xla_client
+
+        load, topology = (
+            xla_client.load_pjrt_plugin_dynamically,
+            xla_client.make_c_api_device_topology,
+        )
     except (ImportError, AttributeError) as e:
         raise RuntimeError(
-            f"this jax ({importlib.metadata.version('jax')}) has no register_plugin to load "
-            f"the GPU compiler with: {e}"
+            f"this jaxlib ({importlib.metadata.version('jaxlib')}) cannot load the GPU "
+            f"compiler: {e}"
         ) from e
-    register("cuda", priority=500, library_path=library)
+
+    def no_backend() -> None:
+        raise RuntimeError(
+            "the planner's CUDA plugin only compiles (python -m nnx_sharding compilers); "
+            "install jax[cuda12] to run on a GPU"
+        )
+
+    c_api = load("cuda", library)
+    register_backend_factory(
+        "cuda", no_backend, priority=500, fail_quietly=True,
+        make_topology=partial(topology, c_api), c_api=c_api,
+    )  # fmt: skip
 
 
 def requirement(compiler: str) -> str:
