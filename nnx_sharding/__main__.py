@@ -48,7 +48,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "ranked by predicted step time",
     ),
     "compilers": (
-        "nnx_sharding.plan._plugins:main",
+        "nnx_sharding._cli.compilers:main",
         "say where the planner's TPU and GPU compilers are; with --install, install them "
         "where only the planner loads them",
     ),

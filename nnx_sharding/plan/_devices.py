@@ -11,7 +11,7 @@ package data (``gpu_targets/*.txtpb``) per GPU preset.
 
 The compilers print their initialisation errors (no driver, no TPU host) on stderr; the
 calls here that load them run with stderr and jax's plugin logging silenced
-(`nnx_sharding._cli.quiet.quiet`).
+(`nnx_sharding.plan._quiet.quiet`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Literal
 import jax
 
 from .. import _errors
-from .._cli.quiet import quiet
 from .._types import Device
 from . import _plugins
 from ._accelerator import Accelerator, resolve_accelerator
+from ._quiet import quiet
 
 __all__ = ["compile_devices", "default_tpu_topology", "has_gpu_compiler", "has_tpu_compiler"]
 

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_sharding import checkpoint
-from nnx_sharding._cli import quiet as _quiet
+from nnx_sharding.plan import _quiet
 
 RUNS = 9
 AT_ONCE = 3

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from nnx_sharding._cli import compilers
 from nnx_sharding.plan import _plugins
 
 
@@ -110,11 +111,11 @@ def _fake_pip(status: int, calls: list[list[str]]):
 def test_install_puts_a_compiler_in_its_folder_only_when_pip_succeeds(folder, monkeypatch):
     monkeypatch.setattr(_plugins, "package_folder", lambda name: None)  # no jax[tpu] here
     calls: list[list[str]] = []
-    monkeypatch.setattr(_plugins.subprocess, "run", _fake_pip(1, calls))
-    assert _plugins.main(["--install", "tpu"]) == 1
+    monkeypatch.setattr(compilers.subprocess, "run", _fake_pip(1, calls))
+    assert compilers.main(["--install", "tpu"]) == 1
     assert not folder.joinpath("tpu").exists() and not folder.joinpath("tpu.partial").exists()
-    monkeypatch.setattr(_plugins.subprocess, "run", _fake_pip(0, calls))
-    assert _plugins.main(["--install", "tpu"]) == 0
+    monkeypatch.setattr(compilers.subprocess, "run", _fake_pip(0, calls))
+    assert compilers.main(["--install", "tpu"]) == 0
     assert _plugins.tpu_library() == str(folder / "tpu/libtpu/libtpu.so")
     assert not folder.joinpath("tpu.partial").exists()
     assert calls[-1] == [
@@ -123,16 +124,16 @@ def test_install_puts_a_compiler_in_its_folder_only_when_pip_succeeds(folder, mo
         _plugins.requirement("tpu"),
     ]  # fmt: skip
     calls.clear()
-    assert _plugins.main(["--install", "tpu"]) == 0  # found: nothing to install
+    assert compilers.main(["--install", "tpu"]) == 0  # found: nothing to install
     assert calls == []
 
 
 def test_the_command_says_where_each_compiler_is(folder, capsys):
     gpu = _touch(folder / "gpu/jax_plugins/xla_cuda12/xla_cuda_plugin.so")
-    assert _plugins.main(["gpu"]) == 0
+    assert compilers.main(["gpu"]) == 0
     assert capsys.readouterr().out == f"gpu: {gpu}\n"
     with pytest.raises(SystemExit) as exit_:
-        _plugins.main(["cuda"])
+        compilers.main(["cuda"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == (
         "python -m nnx_sharding compilers: error: unknown compiler 'cuda'; choose among "
