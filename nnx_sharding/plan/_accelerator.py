@@ -28,7 +28,9 @@ and ICI hop latencies), not data-sheet figures.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Literal
@@ -58,8 +60,20 @@ class Accelerator:
         inter_bandwidth: the same across nodes (InfiniBand per GPU; DCN per TPU chip).
         intra_latency: seconds each collective costs before its first byte, in a node.
         inter_latency: the same across nodes.
-        devices_per_node: devices that share the fast link (a GPU host; a TPU slice
-            counts as one node whatever its size, see `resolve_accelerator`).
+        devices_per_node: devices that share the fast link (a GPU host). A TPU slice is
+            one ICI torus whatever its size: only the chips of other slices are across
+            the network; for TPUs this is the chips per host, used for nothing else.
+        matmul_efficiency: the fraction of peak FLOP/s a large matmul achieves.
+        hbm_efficiency: the fraction of ``hbm_bandwidth`` a large copy achieves.
+        link_efficiency: the fraction of a link's bandwidth a large collective achieves
+            (its bus bandwidth over the link's).
+        kernel_overhead: seconds each kernel costs beyond its roofline (a GPU's launch
+            and tail; 0 for TPUs, which run the whole step as one program).
+        torus_wrap: TPUs: the size from which an axis of a slice's torus closes into a
+            ring (4 on v4 and v5p, whose cubes wrap; 16 on v5e and v6e, whose full pod
+            alone wraps); 0 for none.
+        spread: the relative uncertainty of the three efficiencies, which sets the range
+            ``Time.step_low``..``Time.step_high``.
 
     >>> from nnx_sharding.plan._accelerator import PRESETS
     >>> h100 = PRESETS["h100"]
@@ -80,6 +94,12 @@ class Accelerator:
     intra_latency: float
     inter_latency: float
     devices_per_node: int
+    matmul_efficiency: float = 1.0
+    hbm_efficiency: float = 1.0
+    link_efficiency: float = 1.0
+    kernel_overhead: float = 0.0
+    torus_wrap: int = 0
+    spread: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "tpu", "cpu"):
@@ -95,8 +115,20 @@ class Accelerator:
             "devices_per_node": self.devices_per_node,
         }
         bad += [k for k, v in numbers.items() if not (v > 0 and math.isfinite(v))]
-        latencies = {"intra_latency": self.intra_latency, "inter_latency": self.inter_latency}
+        fractions = {
+            "matmul_efficiency": self.matmul_efficiency,
+            "hbm_efficiency": self.hbm_efficiency,
+            "link_efficiency": self.link_efficiency,
+        }
+        bad += [k for k, v in fractions.items() if not (0 < v <= 1)]
+        latencies = {
+            "intra_latency": self.intra_latency,
+            "inter_latency": self.inter_latency,
+            "kernel_overhead": self.kernel_overhead,
+            "torus_wrap": self.torus_wrap,
+        }
         bad += [k for k, v in latencies.items() if not (v >= 0 and math.isfinite(v))]
+        bad += [] if 0 <= self.spread < 1 else ["spread"]
         if bad:
             raise ValueError(_errors.accelerator_bad_figures(self.name, bad))
         # A read-only copy: the preset objects are shared by every caller.
@@ -119,6 +151,30 @@ class Accelerator:
             if alias in self.flops:
                 return float(self.flops[alias])
         return float(min(self.flops.values()))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes this accelerator to ``path`` as JSON (`load` reads it back): a
+        calibrated one (`Plans.calibrate`) is planned with again so.
+
+        >>> import tempfile
+        >>> where = os.path.join(tempfile.mkdtemp(), "h100.json")
+        >>> PRESETS["h100"].save(where)
+        >>> Accelerator.load(where) == PRESETS["h100"]
+        True
+        """
+        data = dataclasses.asdict(self)
+        data["flops"] = dict(self.flops)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Accelerator:
+        """The accelerator `save` wrote to ``path``."""
+        with open(path) as f:
+            data = json.load(f)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 class _ReadOnlyDict(dict):
@@ -158,6 +214,34 @@ _GB = 10**9
 _GIB = 2**30
 
 
+#: Achievable fractions of peak on NVIDIA GPUs (sources in docs/planning.md, "Cost model
+#: constants"). Matmuls: what a training step's GEMMs and flash attention sustain, set
+#: from the 8xH100 calibration run (MaxText llama2-7b, 492 TFLOP/s of model FLOPs per
+#: GPU: predicted within 3 % at 0.6); public benchmarks put large random bf16 GEMMs
+#: alone higher (about 83 % of peak on A100, less on the power-limited H100). HBM: copy
+#: and STREAM benchmarks reach 3.0-3.1 of the H100's 3.35 TB/s. Links: nccl-tests'
+#: all-reduce bus bandwidth on 8 H100s, about 370 of 450 GB/s. A kernel's launch and
+#: tail: a few microseconds without CUDA graphs.
+GPU_EFFICIENCY = dict(
+    matmul_efficiency=0.6,
+    hbm_efficiency=0.9,
+    link_efficiency=0.82,
+    kernel_overhead=2e-6,
+    spread=0.1,
+)
+#: The same for TPUs. Matmuls: set from the v5p-128 calibration run (MaxText 32B, 328
+#: TFLOP/s of model FLOPs per chip: predicted within 3 % at 0.8); the MXUs of v5e and
+#: v6e are taken to sustain the same fraction. HBM as the GPUs'; ICI links 0.9 (the
+#: calibration run hides its collectives: it cannot set this figure).
+TPU_EFFICIENCY = dict(
+    matmul_efficiency=0.8,
+    hbm_efficiency=0.9,
+    link_efficiency=0.9,
+    kernel_overhead=0.0,
+    spread=0.1,
+)
+
+
 def _gpu(name: str, bf16: float, fp32: float, hbm: int, hbm_bw: float, nvlink: float, ib: float):
     flops = {"bfloat16": bf16, "float16": bf16, "float32": fp32, "int8": 2 * bf16}
     if name in ("h100", "h200", "b200"):
@@ -173,10 +257,20 @@ def _gpu(name: str, bf16: float, fp32: float, hbm: int, hbm_bw: float, nvlink: f
         intra_latency=5e-6,
         inter_latency=10e-6,
         devices_per_node=8,
+        **GPU_EFFICIENCY,
     )
 
 
-def _tpu(name: str, bf16: float, hbm: int, hbm_bw: float, ici: float, dcn: float, per_host: int):
+def _tpu(
+    name: str,
+    bf16: float,
+    hbm: int,
+    hbm_bw: float,
+    ici: float,
+    dcn: float,
+    per_host: int,
+    wrap: int,
+):
     return Accelerator(
         name=name,
         kind="tpu",
@@ -189,6 +283,8 @@ def _tpu(name: str, bf16: float, hbm: int, hbm_bw: float, ici: float, dcn: float
         intra_latency=1e-6,
         inter_latency=10e-6,
         devices_per_node=per_host,
+        torus_wrap=wrap,
+        **TPU_EFFICIENCY,
     )
 
 
@@ -210,13 +306,14 @@ PRESETS: Mapping[str, Accelerator] = MappingProxyType(
         "b200": _gpu("b200", 2.25e15, 75e12, 180 * _GB, 8e12, 900e9, 50e9),
         # Google Cloud TPU v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, 2-D torus;
         # ICI 1,600 Gb/s per chip over 4 links (5e10 B/s per link one way); 8 per host.
-        "v5e": _tpu("v5e", 197e12, 16 * _GB, 8.19e11, 2 * 5e10, 2.5e10 / 8, 8),
-        # TPU v5p: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, 3-D torus, ICI 1e11
-        # per link one way; 4 chips per host.
-        "v5p": _tpu("v5p", 459e12, 95 * _GB, 2.765e12, 2 * 1e11, 2.5e10 / 4, 4),
+        "v5e": _tpu("v5e", 197e12, 16 * _GB, 8.19e11, 2 * 5e10, 2.5e10 / 8, 8, 16),
+        # TPU v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,575 GiB/s, 3-D torus, ICI
+        # 1,200 GB/s per chip both ways over 6 links (1e11 per link one way), DCN 50 Gb/s
+        # per chip; 4 chips per host.
+        "v5p": _tpu("v5p", 459e12, 95 * _GIB, 2.765e12, 2 * 1e11, 6.25e9, 4, 4),
         # TPU v6e (Trillium): 918 TFLOP/s bf16, 32 GB HBM at 1,640 GB/s, 2-D torus,
         # ICI 1e11 per link one way; 8 chips per host.
-        "v6e": _tpu("v6e", 918e12, 32 * _GB, 1.64e12, 2 * 1e11, 2.5e10 / 8, 8),
+        "v6e": _tpu("v6e", 918e12, 32 * _GB, 1.64e12, 2 * 1e11, 2.5e10 / 8, 8, 16),
         # A nominal CPU device, for plans compiled on simulated CPU devices: the figures
         # only rank candidates; they describe no particular machine.
         "cpu": Accelerator(

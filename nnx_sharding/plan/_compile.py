@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 from .._jit import jit
 from .._sharding import StateSharding, is_node
 from .._state_sharding import AtPath
-from . import _flops, _hlo
-from ._cost import Memory, predict
+from . import _flops, _flow, _hlo, _ops
+from ._cost import Memory, Program, Topology
 from ._layouts import Candidate, Path, data_spec, node_specs
 from ._plan import Plan, bind
 
@@ -42,6 +42,8 @@ class Step:
     limit: int
     notes: tuple[str, ...] = ()
     originals: tuple[Any, ...] = ()  # the arguments as given (for `Plans.measure`)
+    rules: Any = None  # as given to `plan` (for `Plans.devices_for`'s re-planning)
+    num_slices: int = 1
 
 
 def abstract(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
@@ -189,8 +191,22 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     notes += check_memory(memory, flops)
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
         memory = dataclasses.replace(memory, arguments=state)
-    found = _hlo.collectives(text, n)
-    predicted = predict(flops, accessed, found, candidate.mesh_shape, step.accelerator, step.dtype)
+    instrs = list(_hlo.instructions(text))
+    hidden = _flow.hidden(instrs)
+    found = [
+        dataclasses.replace(c, hidden=hidden[c.name][0], beside=hidden[c.name][1])
+        if c.name in hidden
+        else c
+        for c in _hlo.collectives(text, n)
+    ]
+    program = Program(
+        tuple(_ops.ops(text)),
+        tuple(found),
+        dict(candidate.mesh_shape),
+        Topology.of(list(step.devices)[:n], step.accelerator.devices_per_node),
+        _hlo.entered(instrs),
+    )
+    predicted = program.time(step.accelerator)
     fits = memory.peak <= step.limit
     reason = None
     if not fits:
@@ -209,6 +225,7 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         notes=tuple(notes),
         compile_seconds=seconds,
         detail=tuple(found),
+        program=program,
     )
 
 
