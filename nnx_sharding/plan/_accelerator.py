@@ -3,26 +3,30 @@
 Every figure is per device, dense (no structured sparsity), from public data sheets; the
 sources are listed in ``docs/planning.md`` ("Cost model constants"):
 
-========== ========= ========= ======= ========= ================ ================ ====
-preset     bf16      fp32      HBM     HBM B/s   in node, 1 way   across nodes     per
-           FLOP/s    FLOP/s                      B/s, latency     B/s, latency     node
-========== ========= ========= ======= ========= ================ ================ ====
+========== ========= ========= ======= ========= ================ ================ =====
+preset     bf16      fp32      HBM     HBM B/s   in node, 1 way   across nodes     node
+           FLOP/s    FLOP/s                      B/s, latency     B/s, latency
+========== ========= ========= ======= ========= ================ ================ =====
 h100       989e12    67e12     80 GB   3.35e12   450e9, 5 us      50e9, 10 us      8
 h200       989e12    67e12     141 GB  4.8e12    450e9, 5 us      50e9, 10 us      8
 a100-80gb  312e12    19.5e12   80 GB   2.039e12  300e9, 5 us      25e9, 10 us      8
 b200       2.25e15   75e12     180 GB  8e12      900e9, 5 us      50e9, 10 us      8
-v5e        197e12    --        16 GB   8.19e11   1e11, 1 us       3.125e9, 10 us   8
-v5p        459e12    --        95 GB   2.765e12  2e11, 1 us       6.25e9, 10 us    4
-v6e        918e12    --        32 GB   1.64e12   2e11, 1 us       3.125e9, 10 us   8
+v5e        197e12    --        16 GB   8.19e11   1e11, 1 us       3.125e9, 10 us   slice
+v5p        459e12    --        95 GiB  2.765e12  2e11, 1 us       6.25e9, 10 us    slice
+v6e        918e12    --        32 GB   1.64e12   2e11, 1 us       3.125e9, 10 us   slice
 cpu        (nominal) 1e12      16 GiB  1e11      1e10, 10 us      1e10, 10 us      8
-========== ========= ========= ======= ========= ================ ================ ====
+========== ========= ========= ======= ========= ================ ================ =====
 
-The TPU's "in node" figure is the bandwidth a chip has into a ring along one axis of its
-torus: one link each way to both neighbours (the JAX scaling book's bidirectional
-per-link figure), so a ring collective over ``n`` chips moves its ``(n-1)/n`` share at
-that rate. "Across nodes" is the data-centre network (DCN) between slices: a host's
-``2.5e10`` B/s shared by its chips. Latencies are order-of-magnitude assumptions (NCCL
-and ICI hop latencies), not data-sheet figures.
+The TPU's "in node" figure is two links' worth, one to each neighbour along an axis of
+the slice's torus (50 GB/s a link each way on v5e, 100 GB/s on v5p and v6e): a slice
+is one torus whatever its hosts, and the cost model counts the links of the axes a
+group spans (`nnx_sharding.plan._cost`). "Across nodes" is the data-centre network
+(DCN) between slices, per chip. Latencies are order-of-magnitude assumptions (NCCL and
+ICI hop latencies), not data-sheet figures.
+
+Each preset also says what fraction of those peaks a training step achieves
+(`GPU_EFFICIENCY`, `TPU_EFFICIENCY`: matmuls, HBM, links), set from published,
+measured runs and public microbenchmarks; `Plans.calibrate` fits them to your own.
 """
 
 from __future__ import annotations
