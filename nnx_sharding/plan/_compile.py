@@ -166,7 +166,6 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
     flops = float((cost or {}).get("flops", 0.0))
-    accessed = float((cost or {}).get("bytes accessed", 0.0))
     state = state_bytes(step, candidate, specs)
     stats = compiled.memory_analysis()
     if stats is None:
@@ -180,13 +179,12 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     )
     if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
         flops = _flops.dot_flops(text)
-        accessed = float(memory.arguments + memory.outputs + 2 * memory.temp)
         notes.append(
             f"the {step.compiler} compiler gives no cost_analysis: FLOPs are the optimized "
-            "program's matmuls; bytes accessed, its arguments, outputs and twice its temporaries"
+            "program's matmuls"
         )
     else:
-        flops, accessed, note = _per_iteration(text, flops, accessed)
+        flops, note = _per_iteration(text, flops)
         notes += [note] if note else []
     notes += check_memory(memory, flops)
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
@@ -229,19 +227,19 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     )
 
 
-def _per_iteration(text: str, flops: float, accessed: float) -> tuple[float, float, str | None]:
-    """``cost_analysis``'s FLOPs and bytes accessed with a loop's body counted once per
-    iteration: ``cost_analysis`` counts it once. The matmuls of the further iterations
-    are added (counted from ``text``), and the bytes accessed scaled by as much."""
+def _per_iteration(text: str, flops: float) -> tuple[float, str | None]:
+    """``cost_analysis``'s FLOPs with a loop's body counted once per iteration:
+    ``cost_analysis`` counts it once. The matmuls of the further iterations are added
+    (counted from ``text``). (The step time is priced from the program's kernels
+    themselves, `_ops`: this is the table's FLOPs column.)"""
     once, every = _flops.dot_flops(text, per_iteration=False), _flops.dot_flops(text)
     if every <= once or flops <= 0:
-        return flops, accessed, None
-    scale = (flops + every - once) / flops
+        return flops, None
     note = (  # one text for every plan: the table shows it once, in its caption
         "cost_analysis counts a loop's body once: the matmul FLOPs of its other iterations "
-        "are added, and bytes accessed scaled by as much"
+        "are added"
     )
-    return flops * scale, accessed * scale, note
+    return flops + every - once, note
 
 
 def check_memory(memory: Memory, flops: float) -> list[str]:
