@@ -296,6 +296,29 @@ def plan_run(run: Run, hlo: Path | None = None):
     return plans[0]
 
 
+def search_run(run: Run):
+    """Every layout on every split of the run's devices, its model, batch and remat as
+    published: the best plan that fits, and where the published layout ranks."""
+    import nnx_sharding
+
+    model, optimizer, tokens, step, rules = build(run)
+    plans = nnx_sharding.plan(
+        step, model, optimizer, tokens, devices=run.devices, accelerator=run.accelerator,
+        rules=rules, donate_argnums=(0, 1),
+    )  # fmt: skip
+    print(plans, flush=True)
+    published = next(p for p in plans if dict(p.mesh_shape) == dict(run.mesh))
+    return {
+        "run": run.name,
+        "best": plans.best.label,
+        "best_step": plans.best.time.step,
+        "published": published.label,
+        "published_fits": published.fits,
+        "published_step": published.time.step if published.time else None,
+        "published_rank": list(plans).index(published) + 1,
+    }
+
+
 def nnx_params(model):
     from flax import nnx
 
@@ -307,6 +330,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("runs", nargs="*", default=["llama2-7b", "maxtext-32b"], choices=list(RUNS))
     p.add_argument("--hlo", type=Path, help="also save each optimized HLO module here")
     p.add_argument("--json", type=Path, help="append each result as a JSON line here")
+    p.add_argument(
+        "--search", action="store_true", help="plan every layout and split, as published else"
+    )
     args = p.parse_args(argv)
     if len(args.runs) > 1:  # each run's flags are read when jax starts: a process each
         import subprocess
@@ -320,6 +346,13 @@ def main(argv: list[str]) -> int:
         if run.flags:
             key = "XLA_FLAGS" if RUNS[name].accelerator in ("h100", "h200") else "LIBTPU_INIT_ARGS"
             os.environ[key] = (os.environ.get(key, "") + " " + run.flags).strip()
+        if args.search:
+            row = search_run(run)
+            print(json.dumps(row, indent=1), flush=True)
+            if args.json:
+                with args.json.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            continue
         start = time.perf_counter()
         plan = plan_run(run, args.hlo)
         seconds = time.perf_counter() - start

@@ -36,7 +36,21 @@ def hidden(instrs: list[Instr]) -> dict[str, tuple[bool, tuple[str, ...]]]:
     """For each collective instruction (by name; one inside a fusion or an async
     wrapper by its own name, judged at its caller): whether it can overlap with its
     whole program, and else the matmul kernels it can run beside (see the module's
-    docstring)."""
+    docstring).
+
+    >>> from nnx_sharding.plan._hlo import instructions
+    >>> text = '''
+    ... ENTRY %main (w: f32[4,8], x: f32[2,8]) -> f32[2,8] {
+    ...   %w = f32[4,8]{1,0} parameter(0)
+    ...   %x = f32[2,8]{1,0} parameter(1)
+    ...   %g = f32[8,8]{1,0} all-gather(%w), dimensions={0}
+    ...   %y = f32[2,8]{1,0} dot(%x, %g), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    ...   %r = f32[2,8]{1,0} all-reduce(%y), to_apply=%add
+    ...   ROOT %z = f32[2,8]{1,0} dot(%r, %g), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    ... }'''
+    >>> hidden(list(instructions(text)))
+    {'g': (True, ()), 'r': (False, ())}
+    """
     owner = control(instrs)
     loops = {
         c for i in instrs if i.opcode == "while" for c in re.findall(r"body=%?([\w.\-]+)", i.rest)

@@ -120,6 +120,8 @@ def _bytes(ins: Instr, shapes: dict[tuple[str, str], str], code: dict[str, list[
     names = operands(ins.rest)
     sizes = [sum(shape_bytes(shapes.get((ins.computation, n), ""))) for n in names]
     written = float(sum(shape_bytes(ins.shape)))
+    if ins.opcode == "custom-call" and "cublas" in ins.rest:  # (result, s8 workspace)
+        written = float(shape_bytes(ins.shape)[0])
     if ins.opcode in ("dynamic-slice", "slice", "gather"):
         return 2.0 * written  # reads what it writes (and its indices, negligible)
     if ins.opcode == "dynamic-update-slice" and len(sizes) > 1:

@@ -52,7 +52,12 @@ class Sizing:
 def tokens_in(args: tuple[Any, ...], static: frozenset[int], variables: dict) -> int:
     """Tokens per step read from the arguments: the size of the first integer array
     argument (a ``(batch, seq)`` token array; a ``(batch, seq + 1)`` one counts its
-    extra column too: pass ``tokens_per_step`` to be exact)."""
+    extra column too: pass ``tokens_per_step`` to be exact).
+
+    >>> import jax.numpy as jnp
+    >>> tokens_in((jax.ShapeDtypeStruct((8, 1025), jnp.int32),), frozenset(), {})
+    8200
+    """
     for i, arg in enumerate(args):
         if i in static or i in variables:
             continue
@@ -67,7 +72,12 @@ def tokens_in(args: tuple[Any, ...], static: frozenset[int], variables: dict) ->
 
 def scaled(args: tuple[Any, ...], skip: set[int], factor: int) -> tuple[Any, ...]:
     """The arguments with every data array's leading dimension times ``factor``
-    (abstract: ``ShapeDtypeStruct``s), graph nodes and static ones as they are."""
+    (abstract: ``ShapeDtypeStruct``s), graph nodes and static ones as they are.
+
+    >>> import jax.numpy as jnp
+    >>> scaled((jax.ShapeDtypeStruct((8, 1025), jnp.int32), 3), {1}, 4)[0].shape
+    (32, 1025)
+    """
 
     def grow(x: Any) -> Any:
         if hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape) > 0:
