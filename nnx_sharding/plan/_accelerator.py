@@ -73,9 +73,9 @@ class Accelerator:
             (its bus bandwidth over the link's).
         kernel_overhead: seconds each kernel costs beyond its roofline (a GPU's launch
             and tail; 0 for TPUs, which run the whole step as one program).
-        torus_wrap: TPUs: the size from which an axis of a slice's torus closes into a
-            ring (4 on v4 and v5p, whose cubes wrap; 16 on v5e and v6e, whose full pod
-            alone wraps); 0 for none.
+        torus_wrap: TPUs: a slice whose every axis is a multiple of this closes each
+            axis into a ring (4 on v4 and v5p: slices of whole 4x4x4 cubes; 16 on v5e
+            and v6e: the full 16x16 pod); 0 for none.
         spread: the relative uncertainty of the three efficiencies, which sets the range
             ``Time.step_low``..``Time.step_high``.
 

@@ -207,16 +207,19 @@ def _group(c: Collective) -> tuple[int, ...]:
 def _ring_bandwidth(group: Sequence[int], accelerator: Any, topology: Topology) -> float:
     """Bytes per second a device of ``group`` sends into a ring over its node's fast
     link: NVLink's; on a TPU torus, one link per direction along each axis the group
-    spans, two where it spans a whole axis that wraps (``accelerator.torus_wrap``)."""
+    spans, two where it spans a whole axis that wraps (a slice whose every axis is a
+    multiple of ``accelerator.torus_wrap``: full cubes on v5p, the full pod on v5e)."""
     if not topology.coords:
         return accelerator.intra_bandwidth
     link = accelerator.intra_bandwidth / 2  # one link, one way
+    wrap = accelerator.torus_wrap
+    torus = wrap > 0 and all(d % wrap == 0 for d in topology.dims if d > 1)
     total = 0.0
     for a, size in enumerate(topology.dims):
         spanned = {topology.coords[i][a] for i in group if i < len(topology.coords)}
         if len(spanned) <= 1:
             continue
-        wraps = 0 < accelerator.torus_wrap <= size and len(spanned) == size
+        wraps = torus and len(spanned) == size
         total += 2 * link if wraps else link
     return total or link
 
