@@ -344,8 +344,8 @@ def _estimate(
     for program, times in overlapped.items():
         total = sum(times)
         entered = max(entries.get(program, 1) if entries else 1, 1)
-        per_run = max(len(times) // max(runs.get(program, 1), 1), 1)
-        edges = (times[0] + (times[per_run - 1] if per_run > 1 else 0.0)) * entered
+        each = max(len(times) // max(runs.get(program, 1), 1), 1)  # collectives a run
+        edges = (times[0] + (times[each - 1] if each > 1 else 0.0)) * entered
         exposed += min(total, max(0.0, total - per_program.get(program, 0.0)) + edges)
     pooled += max(0.0, sum(sum(t) for t in overlapped.values()) - busy)
     return compute, memory, busy, comms, exposed, pooled
