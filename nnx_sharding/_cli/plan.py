@@ -73,6 +73,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-slices", type=positive, default=1, help="TPU slices (1)")
     p.add_argument("--plot", metavar="FILE", help="also save the plot (needs matplotlib)")
+    p.add_argument(
+        "--tokens",
+        type=float,
+        help="with --days: also find the devices that train this many tokens in time "
+        "(the per-device batch kept; the step planned again at each count tried)",
+    )
+    p.add_argument("--days", type=float, help="with --tokens: the days to train them in")
     return p
 
 
@@ -94,6 +101,8 @@ def main(argv: Sequence[str]) -> int:
             f"unknown --accelerator {args.accelerator!r}; choose a preset "
             f"({', '.join(PRESETS)}) or a TPU topology such as v5e:16x16"
         )
+    if (args.tokens is None) != (args.days is None):
+        p.error("--tokens and --days go together")
     layouts = args.layouts.split(",") if args.layouts else None
     if layouts and (wrong := [x for x in layouts if x not in LAYOUTS]):
         p.error(f"unknown --layouts {','.join(wrong)}; choose among {','.join(LAYOUTS)}")
@@ -174,6 +183,15 @@ def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any)
     if args.plot:
         plans.plot(args.plot)
         console.print(f"plot saved to {args.plot}")
+    if args.tokens and args.days:
+        try:
+            sizing = plans.devices_for(
+                args.tokens, args.days, tokens_per_step=config.batch * config.seq_len
+            )
+        except ValueError as e:
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+            return 2
+        console.print(f"{args.tokens:.3g} tokens in {args.days:g} days: {sizing}")
     return 0
 
 

@@ -17,6 +17,8 @@ __all__ = [
     "plan_needs_matplotlib",
     "plan_no_candidate_built",
     "plan_nothing_fits",
+    "plan_nothing_measured",
+    "plan_target_unreachable",
     "plan_unknown_layouts",
 ]
 
@@ -34,8 +36,9 @@ def accelerator_no_flops(name: str) -> str:
 
 def accelerator_bad_figures(name: str, bad: Sequence[str]) -> str:
     return (
-        f"Accelerator {name!r}: these figures must be positive and finite "
-        f"(latencies may be 0): {', '.join(bad)}."
+        f"Accelerator {name!r}: these figures must be positive and finite (latencies, "
+        f"kernel_overhead and torus_wrap may be 0; efficiencies are fractions in (0, 1], "
+        f"spread in [0, 1)): {', '.join(bad)}."
     )
 
 
@@ -95,3 +98,17 @@ def plan_nothing_fits(limit: str, closest: str, needs: str, miss: str, miss_byte
 
 def plan_needs_matplotlib() -> str:
     return "Plans.plot needs matplotlib: pip install 'nnx_sharding[bench]'"
+
+
+def plan_nothing_measured() -> str:
+    return (
+        "Plans.calibrate: no plan has a measured step time: run plans.measure() on the "
+        "devices to calibrate for first (it times the best plans that fit)."
+    )
+
+
+def plan_target_unreachable(tokens: float, days: float, tried: str) -> str:
+    return (
+        f"Plans.devices_for: no device count tried trains {tokens:.3g} tokens in {days:g} "
+        f"days ({tried}). Give more days, fewer tokens, or a larger max_devices."
+    )

@@ -3,32 +3,38 @@
 Every figure is per device, dense (no structured sparsity), from public data sheets; the
 sources are listed in ``docs/planning.md`` ("Cost model constants"):
 
-========== ========= ========= ======= ========= ================ ================ ====
-preset     bf16      fp32      HBM     HBM B/s   in node, 1 way   across nodes     per
-           FLOP/s    FLOP/s                      B/s, latency     B/s, latency     node
-========== ========= ========= ======= ========= ================ ================ ====
+========== ========= ========= ======= ========= ================ ================ =====
+preset     bf16      fp32      HBM     HBM B/s   in node, 1 way   across nodes     node
+           FLOP/s    FLOP/s                      B/s, latency     B/s, latency
+========== ========= ========= ======= ========= ================ ================ =====
 h100       989e12    67e12     80 GB   3.35e12   450e9, 5 us      50e9, 10 us      8
 h200       989e12    67e12     141 GB  4.8e12    450e9, 5 us      50e9, 10 us      8
 a100-80gb  312e12    19.5e12   80 GB   2.039e12  300e9, 5 us      25e9, 10 us      8
 b200       2.25e15   75e12     180 GB  8e12      900e9, 5 us      50e9, 10 us      8
-v5e        197e12    --        16 GB   8.19e11   1e11, 1 us       3.125e9, 10 us   8
-v5p        459e12    --        95 GB   2.765e12  2e11, 1 us       6.25e9, 10 us    4
-v6e        918e12    --        32 GB   1.64e12   2e11, 1 us       3.125e9, 10 us   8
+v5e        197e12    --        16 GB   8.19e11   1e11, 1 us       3.125e9, 10 us   slice
+v5p        459e12    --        95 GiB  2.765e12  2e11, 1 us       6.25e9, 10 us    slice
+v6e        918e12    --        32 GB   1.64e12   2e11, 1 us       3.125e9, 10 us   slice
 cpu        (nominal) 1e12      16 GiB  1e11      1e10, 10 us      1e10, 10 us      8
-========== ========= ========= ======= ========= ================ ================ ====
+========== ========= ========= ======= ========= ================ ================ =====
 
-The TPU's "in node" figure is the bandwidth a chip has into a ring along one axis of its
-torus: one link each way to both neighbours (the JAX scaling book's bidirectional
-per-link figure), so a ring collective over ``n`` chips moves its ``(n-1)/n`` share at
-that rate. "Across nodes" is the data-centre network (DCN) between slices: a host's
-``2.5e10`` B/s shared by its chips. Latencies are order-of-magnitude assumptions (NCCL
-and ICI hop latencies), not data-sheet figures.
+The TPU's "in node" figure is two links' worth, one to each neighbour along an axis of
+the slice's torus (50 GB/s a link each way on v5e, 100 GB/s on v5p and v6e): a slice
+is one torus whatever its hosts, and the cost model counts the links of the axes a
+group spans (`nnx_sharding.plan._cost`). "Across nodes" is the data-centre network
+(DCN) between slices, per chip. Latencies are order-of-magnitude assumptions (NCCL and
+ICI hop latencies), not data-sheet figures.
+
+Each preset also says what fraction of those peaks a training step achieves
+(`GPU_EFFICIENCY`, `TPU_EFFICIENCY`: matmuls, HBM, links), set from published,
+measured runs and public microbenchmarks; `Plans.calibrate` fits them to your own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Literal
@@ -58,8 +64,20 @@ class Accelerator:
         inter_bandwidth: the same across nodes (InfiniBand per GPU; DCN per TPU chip).
         intra_latency: seconds each collective costs before its first byte, in a node.
         inter_latency: the same across nodes.
-        devices_per_node: devices that share the fast link (a GPU host; a TPU slice
-            counts as one node whatever its size, see `resolve_accelerator`).
+        devices_per_node: devices that share the fast link (a GPU host). A TPU slice is
+            one ICI torus whatever its size: only the chips of other slices are across
+            the network; for TPUs this is the chips per host, used for nothing else.
+        matmul_efficiency: the fraction of peak FLOP/s a large matmul achieves.
+        hbm_efficiency: the fraction of ``hbm_bandwidth`` a large copy achieves.
+        link_efficiency: the fraction of a link's bandwidth a large collective achieves
+            (its bus bandwidth over the link's).
+        kernel_overhead: seconds each kernel costs beyond its roofline (a GPU's launch
+            and tail; 0 for TPUs, which run the whole step as one program).
+        torus_wrap: TPUs: a slice whose every axis is a multiple of this closes each
+            axis into a ring (4 on v4 and v5p: slices of whole 4x4x4 cubes; 16 on v5e
+            and v6e: the full 16x16 pod); 0 for none.
+        spread: the relative uncertainty of the three efficiencies, which sets the range
+            ``Time.step_low``..``Time.step_high``.
 
     >>> from nnx_sharding.plan._accelerator import PRESETS
     >>> h100 = PRESETS["h100"]
@@ -80,6 +98,12 @@ class Accelerator:
     intra_latency: float
     inter_latency: float
     devices_per_node: int
+    matmul_efficiency: float = 1.0
+    hbm_efficiency: float = 1.0
+    link_efficiency: float = 1.0
+    kernel_overhead: float = 0.0
+    torus_wrap: int = 0
+    spread: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "tpu", "cpu"):
@@ -95,8 +119,20 @@ class Accelerator:
             "devices_per_node": self.devices_per_node,
         }
         bad += [k for k, v in numbers.items() if not (v > 0 and math.isfinite(v))]
-        latencies = {"intra_latency": self.intra_latency, "inter_latency": self.inter_latency}
+        fractions = {
+            "matmul_efficiency": self.matmul_efficiency,
+            "hbm_efficiency": self.hbm_efficiency,
+            "link_efficiency": self.link_efficiency,
+        }
+        bad += [k for k, v in fractions.items() if not (0 < v <= 1)]
+        latencies = {
+            "intra_latency": self.intra_latency,
+            "inter_latency": self.inter_latency,
+            "kernel_overhead": self.kernel_overhead,
+            "torus_wrap": self.torus_wrap,
+        }
         bad += [k for k, v in latencies.items() if not (v >= 0 and math.isfinite(v))]
+        bad += [] if 0 <= self.spread < 1 else ["spread"]
         if bad:
             raise ValueError(_errors.accelerator_bad_figures(self.name, bad))
         # A read-only copy: the preset objects are shared by every caller.
@@ -119,6 +155,30 @@ class Accelerator:
             if alias in self.flops:
                 return float(self.flops[alias])
         return float(min(self.flops.values()))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Writes this accelerator to ``path`` as JSON (`load` reads it back): a
+        calibrated one (`Plans.calibrate`) is planned with again so.
+
+        >>> import tempfile
+        >>> where = os.path.join(tempfile.mkdtemp(), "h100.json")
+        >>> PRESETS["h100"].save(where)
+        >>> Accelerator.load(where) == PRESETS["h100"]
+        True
+        """
+        data = dataclasses.asdict(self)
+        data["flops"] = dict(self.flops)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Accelerator:
+        """The accelerator `save` wrote to ``path``."""
+        with open(path) as f:
+            data = json.load(f)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 class _ReadOnlyDict(dict):
@@ -158,6 +218,34 @@ _GB = 10**9
 _GIB = 2**30
 
 
+#: Achievable fractions of peak on NVIDIA GPUs (sources in docs/planning.md, "Cost model
+#: constants"). Matmuls: what a training step's GEMMs and flash attention sustain, set
+#: from the 8xH100 calibration run (MaxText llama2-7b, 492 TFLOP/s of model FLOPs per
+#: GPU: predicted within 3 % at 0.6); public benchmarks put large random bf16 GEMMs
+#: alone higher (about 83 % of peak on A100, less on the power-limited H100). HBM: copy
+#: and STREAM benchmarks reach 3.0-3.1 of the H100's 3.35 TB/s. Links: nccl-tests'
+#: all-reduce bus bandwidth on 8 H100s, about 370 of 450 GB/s. A kernel's launch and
+#: tail: a few microseconds without CUDA graphs.
+GPU_EFFICIENCY = dict(
+    matmul_efficiency=0.6,
+    hbm_efficiency=0.9,
+    link_efficiency=0.82,
+    kernel_overhead=2e-6,
+    spread=0.1,
+)
+#: The same for TPUs. Matmuls: set from the v5p-128 calibration run (MaxText 32B, 328
+#: TFLOP/s of model FLOPs per chip: predicted within 3 % at 0.8); the MXUs of v5e and
+#: v6e are taken to sustain the same fraction. HBM as the GPUs'; ICI links 0.9 (the
+#: calibration run hides its collectives: it cannot set this figure).
+TPU_EFFICIENCY = dict(
+    matmul_efficiency=0.8,
+    hbm_efficiency=0.9,
+    link_efficiency=0.9,
+    kernel_overhead=0.0,
+    spread=0.1,
+)
+
+
 def _gpu(name: str, bf16: float, fp32: float, hbm: int, hbm_bw: float, nvlink: float, ib: float):
     flops = {"bfloat16": bf16, "float16": bf16, "float32": fp32, "int8": 2 * bf16}
     if name in ("h100", "h200", "b200"):
@@ -173,10 +261,20 @@ def _gpu(name: str, bf16: float, fp32: float, hbm: int, hbm_bw: float, nvlink: f
         intra_latency=5e-6,
         inter_latency=10e-6,
         devices_per_node=8,
+        **GPU_EFFICIENCY,
     )
 
 
-def _tpu(name: str, bf16: float, hbm: int, hbm_bw: float, ici: float, dcn: float, per_host: int):
+def _tpu(
+    name: str,
+    bf16: float,
+    hbm: int,
+    hbm_bw: float,
+    ici: float,
+    dcn: float,
+    per_host: int,
+    wrap: int,
+):
     return Accelerator(
         name=name,
         kind="tpu",
@@ -189,6 +287,8 @@ def _tpu(name: str, bf16: float, hbm: int, hbm_bw: float, ici: float, dcn: float
         intra_latency=1e-6,
         inter_latency=10e-6,
         devices_per_node=per_host,
+        torus_wrap=wrap,
+        **TPU_EFFICIENCY,
     )
 
 
@@ -210,13 +310,14 @@ PRESETS: Mapping[str, Accelerator] = MappingProxyType(
         "b200": _gpu("b200", 2.25e15, 75e12, 180 * _GB, 8e12, 900e9, 50e9),
         # Google Cloud TPU v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, 2-D torus;
         # ICI 1,600 Gb/s per chip over 4 links (5e10 B/s per link one way); 8 per host.
-        "v5e": _tpu("v5e", 197e12, 16 * _GB, 8.19e11, 2 * 5e10, 2.5e10 / 8, 8),
-        # TPU v5p: 459 TFLOP/s bf16, 95 GB HBM2e at 2,765 GB/s, 3-D torus, ICI 1e11
-        # per link one way; 4 chips per host.
-        "v5p": _tpu("v5p", 459e12, 95 * _GB, 2.765e12, 2 * 1e11, 2.5e10 / 4, 4),
+        "v5e": _tpu("v5e", 197e12, 16 * _GB, 8.19e11, 2 * 5e10, 2.5e10 / 8, 8, 16),
+        # TPU v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,575 GiB/s, 3-D torus, ICI
+        # 1,200 GB/s per chip both ways over 6 links (1e11 per link one way), DCN 50 Gb/s
+        # per chip; 4 chips per host.
+        "v5p": _tpu("v5p", 459e12, 95 * _GIB, 2.765e12, 2 * 1e11, 6.25e9, 4, 4),
         # TPU v6e (Trillium): 918 TFLOP/s bf16, 32 GB HBM at 1,640 GB/s, 2-D torus,
         # ICI 1e11 per link one way; 8 chips per host.
-        "v6e": _tpu("v6e", 918e12, 32 * _GB, 1.64e12, 2 * 1e11, 2.5e10 / 8, 8),
+        "v6e": _tpu("v6e", 918e12, 32 * _GB, 1.64e12, 2 * 1e11, 2.5e10 / 8, 8, 16),
         # A nominal CPU device, for plans compiled on simulated CPU devices: the figures
         # only rank candidates; they describe no particular machine.
         "cpu": Accelerator(

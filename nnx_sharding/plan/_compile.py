@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 from .._jit import jit
 from .._nodes import Path, is_node
 from .._state_sharding import AtPath, StateSharding
-from . import _flops, _hlo
-from ._cost import Memory, predict
+from . import _flops, _flow, _hlo, _ops
+from ._cost import Memory, Program, Topology
 from ._layouts import Candidate, data_spec, node_specs
 from ._plan import Plan, bind
 
@@ -42,6 +42,8 @@ class Step:
     limit: int
     notes: tuple[str, ...] = ()
     originals: tuple[Any, ...] = ()  # the arguments as given (for `Plans.measure`)
+    rules: Any = None  # as given to `plan` (for `Plans.devices_for`'s re-planning)
+    num_slices: int = 1
 
 
 def abstract_args(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
@@ -169,7 +171,6 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
     flops = float((cost or {}).get("flops", 0.0))
-    accessed = float((cost or {}).get("bytes accessed", 0.0))
     state = state_bytes(step, candidate, specs)
     stats = compiled.memory_analysis()
     if stats is None:
@@ -183,19 +184,32 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
     )
     if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
         flops = _flops.dot_flops(text)
-        accessed = float(memory.arguments + memory.outputs + 2 * memory.temp)
         notes.append(
             f"the {step.compiler} compiler gives no cost_analysis: FLOPs are the optimized "
-            "program's matmuls; bytes accessed, its arguments, outputs and twice its temporaries"
+            "program's matmuls"
         )
     else:
-        flops, accessed, note = _per_iteration(text, flops, accessed)
+        flops, note = _per_iteration(text, flops)
         notes += [note] if note else []
     notes += check_memory(memory, flops)
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
         memory = dataclasses.replace(memory, arguments=state)
-    found = _hlo.collectives(text, n)
-    predicted = predict(flops, accessed, found, candidate.mesh_shape, step.accelerator, step.dtype)
+    instrs = list(_hlo.instructions(text))
+    hidden = _flow.hidden(instrs)
+    found = [
+        dataclasses.replace(c, hidden=hidden[c.name][0], beside=hidden[c.name][1])
+        if c.name in hidden
+        else c
+        for c in _hlo.collectives(text, n)
+    ]
+    program = Program(
+        tuple(_ops.ops(text)),
+        tuple(found),
+        dict(candidate.mesh_shape),
+        Topology.of(list(step.devices)[:n], step.accelerator.devices_per_node),
+        _hlo.entered(instrs),
+    )
+    predicted = program.time(step.accelerator)
     fits = memory.peak <= step.limit
     reason = None
     if not fits:
@@ -214,22 +228,23 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         notes=tuple(notes),
         compile_seconds=seconds,
         detail=tuple(found),
+        program=program,
     )
 
 
-def _per_iteration(text: str, flops: float, accessed: float) -> tuple[float, float, str | None]:
-    """``cost_analysis``'s FLOPs and bytes accessed with a loop's body counted once per
-    iteration: ``cost_analysis`` counts it once. The matmuls of the further iterations
-    are added (counted from ``text``), and the bytes accessed scaled by as much."""
+def _per_iteration(text: str, flops: float) -> tuple[float, str | None]:
+    """``cost_analysis``'s FLOPs with a loop's body counted once per iteration:
+    ``cost_analysis`` counts it once. The matmuls of the further iterations are added
+    (counted from ``text``). (The step time is priced from the program's kernels
+    themselves, `_ops`: this is the table's FLOPs column.)"""
     once, every = _flops.dot_flops(text, per_iteration=False), _flops.dot_flops(text)
     if every <= once or flops <= 0:
-        return flops, accessed, None
-    scale = (flops + every - once) / flops
+        return flops, None
     note = (  # one text for every plan: the table shows it once, in its caption
         "cost_analysis counts a loop's body once: the matmul FLOPs of its other iterations "
-        "are added, and bytes accessed scaled by as much"
+        "are added"
     )
-    return flops * scale, accessed * scale, note
+    return flops + every - once, note
 
 
 def check_memory(memory: Memory, flops: float) -> list[str]:

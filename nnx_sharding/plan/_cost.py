@@ -1,29 +1,45 @@
 """The cost model: per-device memory as the compiler reports it, and a step time
-predicted from FLOPs, bytes accessed and collectives on an `Accelerator`.
+predicted from the optimized program's own kernels and collectives on an `Accelerator`.
 
-- ``compute`` = FLOPs / peak FLOP/s (of the parameters' dtype); ``memory`` = bytes
-  accessed / HBM bandwidth (a roofline: the slower of the two bounds the step).
-- Each collective costs its ring volume over the link its replica group spans (inside
-  one node: ``intra_bandwidth``; else ``inter_bandwidth``): all-reduce ``2(n-1)/n``,
-  all-gather, reduce-scatter and all-to-all ``(n-1)/n`` of the full array, a
-  collective-permute the array once; plus the link's latency, once per collective
-  (the alpha-beta model of nccl-tests: time = latency + bytes x factor / bandwidth).
-- ``step`` = ``max(compute, memory)`` + exposed comms. Collectives over the ``model``
-  axis (tensor parallelism's activations) sit on the critical path and are all
-  exposed; the others (gradient reductions, FSDP's gathers) overlap with compute, and
-  only what exceeds it is exposed. ``serial`` is the unoverlapped sum
-  ``max(compute, memory) + comms``.
+- **Kernels.** Each op of the optimized program (a fusion, a GEMM, a copy: `_ops.ops`)
+  costs ``max(its matmul FLOPs / (matmul_efficiency · peak FLOP/s of its operands'
+  dtype), its bytes / (hbm_efficiency · HBM bandwidth)) + kernel_overhead``, once per
+  run (a loop's body once per iteration). ``busy`` is their sum: a sum of per-op
+  rooflines, not a roofline of sums. ``compute`` and ``memory`` are the two bounds
+  summed on their own.
+- **Collectives** cost ``latency + volume / (link_efficiency · bandwidth)`` with
+  nccl-tests' ring volumes (all-reduce ``2(n-1)/n``, all-gather, reduce-scatter and
+  all-to-all ``(n-1)/n`` of the full array, a collective-permute the array once) over
+  the link the group spans (`collective_time`): inside a node, NVLink; a TPU slice is
+  one ICI torus whatever its hosts, and a group gets one link per direction along each
+  torus axis it spans, two where it spans a whole wrapped axis; a group across nodes
+  (GPU hosts, TPU slices) sends its share over the per-device network, hierarchically:
+  ``max(in-node ring, across-node ring of (n_nodes-1)/n_nodes over the group's
+  per-node devices' network links)``.
+- **Overlap.** Tensor parallelism's activations (a group spanning the ``model`` axis,
+  but not the compiler's collective matmuls, which it writes as collective-permutes
+  interleaved with the matmul's pieces) wait on the next kernel: exposed. The others
+  (FSDP's gathers, gradient reductions, data parallelism's all-reduce, collective
+  matmuls) overlap with the kernels of the program they run in (one layer's loop body
+  per iteration, or the whole step for an unrolled program); what exceeds them is
+  exposed, and so are, once per run of the loop, its first collective (a layer's
+  gather before any kernel of it can start) and its last (the last layer's gradients).
+- ``step = busy + exposed``; ``serial = busy + comms``. ``step_low`` pools the overlap
+  over the whole step with no edges and the efficiencies ``spread`` higher;
+  ``step_high`` takes them ``spread`` lower.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from .. import _errors
 from ._hlo import Collective
+from ._ops import Op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,22 +62,43 @@ class Memory:
 
 @dataclasses.dataclass(frozen=True)
 class Time:
-    """Predicted seconds per step (see the module's docstring for the model)."""
+    """Predicted seconds per step (see the module's docstring for the model).
+
+    ``compute``: the kernels' FLOPs at the achievable FLOP/s; ``memory``: their bytes at
+    the achievable HBM bandwidth; ``busy``: the sum of each kernel's slower bound (with
+    neither given, the slower of the two sums); ``comms``: every collective, serially;
+    ``exposed``: the collectives' time not hidden under kernels; ``step_low`` and
+    ``step_high``: the range the model is sure of (``step`` where not given).
+
+    >>> t = Time(compute=1.0, memory=0.5, comms=0.4, exposed=0.1)
+    >>> t.busy, t.step, t.serial, t.step_low
+    (1.0, 1.1, 1.4, 1.1)
+    """
 
     compute: float
     memory: float
     comms: float
     exposed: float
+    busy: float | None = None
+    step_low: float | None = None
+    step_high: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.busy is None:
+            object.__setattr__(self, "busy", max(self.compute, self.memory))
+        for name in ("step_low", "step_high"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.step)
 
     @property
     def step(self) -> float:
-        """The overlapped estimate: ``max(compute, memory) + exposed``."""
-        return max(self.compute, self.memory) + self.exposed
+        """The predicted step: ``busy + exposed``."""
+        return self.busy + self.exposed  # type: ignore[operator]
 
     @property
     def serial(self) -> float:
-        """The unoverlapped sum: ``max(compute, memory) + comms``."""
-        return max(self.compute, self.memory) + self.comms
+        """With no overlap at all: ``busy + comms``."""
+        return self.busy + self.comms  # type: ignore[operator]
 
 
 _FACTOR = {
@@ -71,6 +108,36 @@ _FACTOR = {
     "all-to-all": lambda n: (n - 1) / n,
     "collective-permute": lambda n: 1.0,
 }
+_DTYPES = {
+    "bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "s8": "int8",
+    "u8": "int8", "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2",
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where each device of a mesh (by position in the mesh's device order) sits: its
+    node (a GPU host; a TPU slice) and, on TPUs, its coordinates in the slice's torus
+    and the torus's size per axis.
+
+    >>> Topology.of([None] * 16, 8).nodes[7:9]
+    (0, 1)
+    """
+
+    nodes: tuple[int, ...]
+    coords: tuple[tuple[int, ...], ...] = ()
+    dims: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, devices: Sequence[Any], per_node: int) -> Topology:
+        """TPU devices (they have ``coords``): nodes by ``slice_index``, every chip of a
+        slice in one node; others: consecutive runs of ``per_node`` devices."""
+        if devices and all(getattr(d, "coords", None) is not None for d in devices):
+            coords = tuple(tuple(int(c) for c in d.coords) for d in devices)
+            nodes = tuple(int(getattr(d, "slice_index", 0) or 0) for d in devices)
+            dims = tuple(max(c[a] for c in coords) + 1 for a in range(len(coords[0])))
+            return cls(nodes, coords, dims)
+        return cls(tuple(i // max(per_node, 1) for i in range(len(devices))))
 
 
 def spanned_axes(group: Sequence[int], mesh_shape: Mapping[str, int]) -> set[str]:
@@ -83,44 +150,204 @@ def spanned_axes(group: Sequence[int], mesh_shape: Mapping[str, int]) -> set[str
     return {names[a] for a in range(len(names)) if len(set(coords[a].tolist())) > 1}
 
 
-def collective_time(c: Collective, accelerator, crosses_nodes: bool) -> float:
-    """Seconds for one collective: latency + ring volume / bandwidth of the link."""
-    n = c.group_size
-    if n <= 1:
-        return 0.0
-    bandwidth = accelerator.inter_bandwidth if crosses_nodes else accelerator.intra_bandwidth
-    latency = accelerator.inter_latency if crosses_nodes else accelerator.intra_latency
-    return latency + c.bytes * _FACTOR[c.kind](n) / bandwidth
-
-
 def crosses_nodes(group: Sequence[int], per_node: int) -> bool:
     """Whether ``group``'s devices sit on more than one node of ``per_node`` devices."""
     return len({i // max(per_node, 1) for i in group}) > 1
 
 
+def collective_time(
+    c: Collective, accelerator: Any, topology: Topology | None = None, efficiency: float = 1.0
+) -> float:
+    """Seconds for one collective (see the module's docstring): latency + ring volume
+    over the link its largest group spans, at ``accelerator.link_efficiency`` (times
+    ``efficiency``, for the range). Without ``topology``, nodes of
+    ``accelerator.devices_per_node`` consecutive devices.
+
+    >>> from nnx_sharding.plan._accelerator import PRESETS
+    >>> h100 = PRESETS["h100"]
+    >>> gather = Collective("all-gather", 8 * 10**9, (tuple(range(8)),), "ag")
+    >>> round(collective_time(gather, h100) * 1e3, 1)  # 7/8 of 8 GB at 0.82 x 450 GB/s
+    19.0
+    """
+    group = _group(c)
+    n = len(group)
+    if n <= 1:
+        return 0.0
+    if topology is None:
+        topology = Topology(tuple(i // accelerator.devices_per_node for i in range(max(group) + 1)))
+    eff = min(accelerator.link_efficiency * efficiency, 1.0)
+    nodes = [topology.nodes[i] if i < len(topology.nodes) else 0 for i in group]
+    count = len(set(nodes))
+    per_node = max(n // count, 1)
+    factor = _FACTOR[c.kind]
+    if c.kind == "collective-permute":  # one partner, one link, one way
+        if count > 1:
+            return accelerator.inter_latency + c.bytes / (accelerator.inter_bandwidth * eff)
+        one_way = accelerator.intra_bandwidth / (2 if topology.coords else 1)
+        return accelerator.intra_latency + c.bytes / (one_way * eff)
+    inside = 0.0
+    if per_node > 1:
+        local = group[:per_node] if count > 1 else group
+        inside = c.bytes * factor(per_node) / (_ring_bandwidth(local, accelerator, topology) * eff)
+    if count == 1:
+        return accelerator.intra_latency + inside
+    across = c.bytes * factor(count) / (per_node * accelerator.inter_bandwidth * eff)
+    return accelerator.inter_latency + max(inside, across)
+
+
+def _group(c: Collective) -> tuple[int, ...]:
+    """The collective's largest group (for a collective-permute, a pair that moves)."""
+    if c.kind == "collective-permute":
+        moving = [g for g in c.groups if len(set(g)) > 1]
+        return tuple(moving[0]) if moving else ()
+    return tuple(max(c.groups, key=len, default=()))
+
+
+def _ring_bandwidth(group: Sequence[int], accelerator: Any, topology: Topology) -> float:
+    """Bytes per second a device of ``group`` sends into a ring over its node's fast
+    link: NVLink's; on a TPU torus, one link per direction along each axis the group
+    spans, two where it spans a whole axis that wraps (a slice whose every axis is a
+    multiple of ``accelerator.torus_wrap``: full cubes on v5p, the full pod on v5e)."""
+    if not topology.coords:
+        return accelerator.intra_bandwidth
+    link = accelerator.intra_bandwidth / 2  # one link, one way
+    wrap = accelerator.torus_wrap
+    torus = wrap > 0 and all(d % wrap == 0 for d in topology.dims if d > 1)
+    total = 0.0
+    for a, size in enumerate(topology.dims):
+        spanned = {topology.coords[i][a] for i in group if i < len(topology.coords)}
+        if len(spanned) <= 1:
+            continue
+        wraps = torus and len(spanned) == size
+        total += 2 * link if wraps else link
+    return total or link
+
+
+def critical(c: Collective, mesh_shape: Mapping[str, int]) -> bool:
+    """Whether ``c`` waits on the kernels next to it and they on it (tensor parallelism's
+    activations): as the program's data flow says (`_flow.hidden`), or, for a
+    collective not judged so, a group spanning the ``model`` axis that is not a
+    collective-permute.
+
+    >>> tp = Collective("all-reduce", 1024, ((0, 1), (2, 3)), "ar")
+    >>> critical(tp, {"data": 2, "model": 2}), critical(tp, {"model": 2, "data": 2})
+    (True, False)
+    """
+    if c.hidden is not None:
+        return not c.hidden
+    if c.kind == "collective-permute":
+        return False
+    return "model" in spanned_axes(_group(c), mesh_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What the cost model reads from one compiled candidate: its kernels, its
+    collectives, its mesh, where its devices sit, and how often each loop is entered;
+    `time` prices it on any `Accelerator` (as `Plans.calibrate` does, for fitted ones)."""
+
+    kernels: tuple[Op, ...]
+    collectives: tuple[Collective, ...]
+    mesh_shape: Mapping[str, int]
+    topology: Topology | None = None
+    entries: Mapping[str, int] | None = None
+
+    def step(self, accelerator: Any) -> float:
+        """The predicted step on ``accelerator`` (`Time.step`, without its range)."""
+        e = _estimate(self.kernels, self.collectives, self.mesh_shape, accelerator,
+                      self.topology, self.entries, 1.0)  # fmt: skip
+        return e[2] + e[4]
+
+    def time(self, accelerator: Any) -> Time:
+        """The predicted `Time` on ``accelerator``."""
+        return predict(
+            self.kernels, self.collectives, self.mesh_shape, accelerator, self.topology,
+            self.entries,
+        )  # fmt: skip
+
+
 def predict(
-    flops: float,
-    bytes_accessed: float,
+    kernels: Sequence[Op],
     found: Sequence[Collective],
     mesh_shape: Mapping[str, int],
-    accelerator,
-    dtype: str,
+    accelerator: Any,
+    topology: Topology | None = None,
+    entries: Mapping[str, int] | None = None,
 ) -> Time:
-    """The predicted `Time` of one step on ``accelerator``."""
-    compute = flops / accelerator.peak_flops(dtype)
-    memory = bytes_accessed / accelerator.hbm_bandwidth
-    critical = overlappable = 0.0
+    """The predicted `Time` of one step on ``accelerator`` from the program's
+    ``kernels`` (`_ops.ops`) and its collectives (`_hlo.collectives`, one per run);
+    ``entries``: how many times each program (a loop's body) is entered, for the loop's
+    first and last collective (default: once).
+
+    >>> from nnx_sharding.plan._accelerator import PRESETS
+    >>> gemm = Op("dot", "fusion", "main", 1, 2 * 4096**3, "bf16", 3 * 2 * 4096**2)
+    >>> t = predict([gemm], [], {"data": 8}, PRESETS["h100"])
+    >>> t.compute == 2 * 4096**3 / (PRESETS["h100"].matmul_efficiency * 989e12)
+    True
+    """
+    nominal = _estimate(kernels, found, mesh_shape, accelerator, topology, entries, 1.0)
+    spread = accelerator.spread
+    low = _estimate(kernels, found, mesh_shape, accelerator, topology, entries, 1 + spread)
+    high = _estimate(kernels, found, mesh_shape, accelerator, topology, entries, 1 - spread)
+    compute, memory, busy, comms, exposed, _ = nominal
+    return Time(
+        compute=compute,
+        memory=memory,
+        comms=comms,
+        exposed=exposed,
+        busy=busy,
+        step_low=min(low[2] + low[5], busy + exposed),
+        step_high=max(high[2] + high[4], busy + exposed),
+    )
+
+
+def _estimate(
+    kernels: Sequence[Op],
+    found: Sequence[Collective],
+    mesh_shape: Mapping[str, int],
+    accelerator: Any,
+    topology: Topology | None,
+    entries: Mapping[str, int] | None,
+    scale: float,
+) -> tuple[float, float, float, float, float, float]:
+    """(compute, memory, busy, comms, exposed per program with edges, exposed pooled
+    over the whole step without edges), with every efficiency times ``scale``."""
+    mm = min(accelerator.matmul_efficiency * scale, 1.0)
+    hbm = min(accelerator.hbm_efficiency * scale, 1.0) * accelerator.hbm_bandwidth
+    compute = memory = busy = 0.0
+    per_program: dict[str, float] = {}
+    per_run: dict[tuple[str, str], float] = {}
+    for op in kernels:
+        flops = op.flops / (
+            mm * accelerator.peak_flops(_DTYPES.get(op.dtype, op.dtype or "bfloat16"))
+        )
+        moved = op.bytes / hbm
+        t = (max(flops, moved) + accelerator.kernel_overhead) * op.runs
+        compute += flops * op.runs
+        memory += moved * op.runs
+        busy += t
+        per_program[op.computation] = per_program.get(op.computation, 0.0) + t
+        per_run[(op.computation, op.name)] = t / max(op.runs, 1)
+    comms = exposed_critical = 0.0
+    overlapped: dict[str, list[float]] = {}
     for c in found:
-        group = max(c.groups, key=len, default=())
-        across = crosses_nodes(group, accelerator.devices_per_node)
-        seconds = collective_time(c, accelerator, across)
-        if "model" in spanned_axes(group, mesh_shape):
-            critical += seconds
+        seconds = collective_time(c, accelerator, topology, scale)
+        comms += seconds
+        if critical(c, mesh_shape):  # less what runs beside it (a collective matmul's)
+            room = sum(per_run.get((c.computation, name), 0.0) for name in c.beside)
+            exposed_critical += max(0.0, seconds - room)
         else:
-            overlappable += seconds
-    hidden_by = max(compute, memory)
-    exposed = critical + max(0.0, overlappable - hidden_by)
-    return Time(compute, memory, critical + overlappable, exposed)
+            overlapped.setdefault(c.computation, []).append(seconds)
+    runs = {op.computation: op.runs for op in kernels}
+    exposed = pooled = exposed_critical
+    for program, times in overlapped.items():
+        total = sum(times)
+        entered = max(entries.get(program, 1) if entries else 1, 1)
+        each = max(len(times) // max(runs.get(program, 1), 1), 1)  # collectives a run
+        edges = (times[0] + (times[each - 1] if each > 1 else 0.0)) * entered
+        exposed += min(total, max(0.0, total - per_program.get(program, 0.0)) + edges)
+    pooled += max(0.0, sum(sum(t) for t in overlapped.values()) - busy)
+    return compute, memory, busy, comms, exposed, pooled
 
 
 def parse_bytes(text: str | int) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._hlo import ARRAY, Instr, instructions, operand_names, runs
+from ._hlo import ARRAY, Instr, instructions, operands, runs
 
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 
@@ -26,21 +26,91 @@ def dot_flops(text: str, *, per_iteration: bool = True) -> float:
     shapes = {(i.computation, i.name): i.shape for i in instrs}
     total = 0.0
     for ins in instrs:
-        operands = operand_names(ins.rest)
-        inline = ARRAY.findall(ins.rest.split("%", 1)[0])
-        first = ARRAY.findall(shapes.get((ins.computation, operands[0]), "")) if operands else []
-        lhs = first or inline
-        dims = [int(d) for d in lhs[0][1].split(",") if d] if lhs else []
-        result = ARRAY.findall(ins.shape)
-        if not (dims and result):
-            continue
-        out = [int(d) for d in result[0][1].split(",") if d]
-        if ins.opcode == "convolution":
-            flops = conv_flops(ins, dims, out)
-        else:
-            flops = 2.0 * math.prod(out) * _contracted(ins, dims)
+        flops, _ = matmul(ins, shapes)
         total += flops * (times.get(ins.computation) or 1)
     return total
+
+
+def matmul(ins: Instr, shapes: dict[tuple[str, str], str]) -> tuple[float, str]:
+    """The FLOPs of one instruction's matmul (0.0 for anything else) and the HLO dtype
+    of its left operand (``'bf16'``: what sets the matmul's rate); ``shapes`` maps
+    (computation, name) to each instruction's result shape.
+
+    >>> from nnx_sharding.plan._hlo import Instr
+    >>> dot = Instr("d", "f32[8,32]{1,0}", "dot",
+    ...             "bf16[8,16]{1,0} %a, bf16[16,32]{1,0} %b), lhs_contracting_dims={1}", "c")
+    >>> matmul(dot, {})
+    (8192.0, 'bf16')
+    """
+    if ins.opcode not in ("dot", "convolution", "custom-call"):
+        return 0.0, ""
+    names = operands(ins.rest)
+    inline = ARRAY.findall(ins.rest.split("%", 1)[0])
+    first = ARRAY.findall(shapes.get((ins.computation, names[0]), "")) if names else []
+    lhs = first or inline
+    dims = [int(d) for d in lhs[0][1].split(",") if d] if lhs else []
+    result = ARRAY.findall(ins.shape)
+    if not (dims and result):
+        return 0.0, ""
+    out = [int(d) for d in result[0][1].split(",") if d]
+    if ins.opcode == "convolution":
+        flops = conv_flops(ins, dims, out)
+    else:
+        flops = 2.0 * math.prod(out) * _contracted(ins, dims)
+    if not flops and ins.opcode == "custom-call":
+        return kernel_flops(ins, shapes)
+    return flops, (lhs[0][0] if flops else "")
+
+
+_ATTENTION = re.compile(r"attention|flash|mha|fmha", re.IGNORECASE)
+_BACKWARD = re.compile(r"bwd|backward|_dq|_dkv|grad", re.IGNORECASE)
+_KERNEL_NAME = re.compile(r'\bname = "([\w.\-]+)"|"kernel_name":\s*"([\w.\-]+)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_COST = re.compile(r'"cost_estimate":\{"flops":"?(\d+)')
+
+
+def kernel_flops(ins: Instr, shapes: dict[tuple[str, str], str]) -> tuple[float, str]:
+    """The matmul FLOPs of a custom kernel (a fused attention, a Pallas kernel), which
+    the HLO does not spell out, and its operands' dtype.
+
+    - An attention kernel (its target or name says attention, flash, mha or fmha, and
+      its first three operands, q, k and v, have one rank-4 shape (batch, sequence,
+      heads, head_dim) in either order of sequence and heads): ``units · 2·B·H·Sq·Sk·D``
+      with 2 units for the forward pass (``QKᵀ`` and ``PV``); for a backward kernel (a
+      name saying bwd, backward, dq or dkv) 5 units when it returns dq, dk and dv, 4 for
+      dk and dv, 3 for dq (each recomputes ``QKᵀ``, as flash attention does); halved
+      when the query and key lengths are equal (causal, as decoders train, whose
+      kernels skip the blocks above the diagonal).
+    - Else the FLOPs of the kernel's own cost estimate (Pallas TPU kernels carry one in
+      their backend config), or 0.0.
+    """
+    names = operands(ins.rest)
+    arrays = [ARRAY.findall(shapes.get((ins.computation, n), "")) for n in names[:3]]
+    target = _TARGET.search(ins.rest)
+    kernel = _KERNEL_NAME.search(ins.rest)
+    label = " ".join(
+        [
+            ins.name,
+            target.group(1) if target else "",
+            kernel.group(kernel.lastindex or 0) if kernel else "",
+        ]
+    )
+    qkv = [a[0] for a in arrays if a]
+    if len(qkv) == 3 and len(set(qkv)) == 1 and _ATTENTION.search(label):
+        dtype, dims = qkv[0][0], [int(d) for d in qkv[0][1].split(",") if d]
+        if len(dims) == 4:
+            seq = max(dims[1], dims[2])  # (B, S, H, D) or (B, H, S, D)
+            if _BACKWARD.search(label):
+                like_q = sum(1 for a in ARRAY.findall(ins.shape) if a == qkv[0])
+                units = {3: 5, 2: 4, 1: 3}.get(like_q, 0)
+            else:
+                units = 2
+            return units * 2.0 * math.prod(dims) * seq * 0.5, dtype
+    cost = _COST.search(ins.rest)
+    if cost:
+        first = arrays[0][0][0] if arrays and arrays[0] else ""
+        return float(cost.group(1)), first
+    return 0.0, ""
 
 
 def _contracted(ins: Instr, lhs: list[int]) -> int:

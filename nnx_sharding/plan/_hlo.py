@@ -45,13 +45,21 @@ _INTEGER = re.compile(r"[su](8|16|32|64)\[\]")
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective of the program: its kind, the full size in bytes of the array(s)
-    it reduces or gathers (before any ring factor), and its replica groups (device
-    positions in the mesh's device order; for a collective-permute, the pairs)."""
+    it reduces or gathers (before any ring factor), its replica groups (device
+    positions in the mesh's device order; for a collective-permute, the pairs), its
+    instruction's name and the program it runs in."""
 
     kind: str
     bytes: int
     groups: tuple[tuple[int, ...], ...]
     name: str
+    computation: str = ""
+    """The program it runs in (`control`): the entry, or a loop's body."""
+    hidden: bool | None = None
+    """Whether it can overlap with its program's kernels (`_flow.hidden`); None: not
+    judged (the cost model then goes by the mesh axes it spans)."""
+    beside: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    """Where not ``hidden``: the matmul kernels it can run beside (`_flow.hidden`)."""
 
     @property
     def group_size(self) -> int:
@@ -61,11 +69,16 @@ class Collective:
 
 @dataclasses.dataclass
 class Instr:
+    """One instruction of an HLO module's text: its name, result shape, opcode, the text
+    after the opcode's opening parenthesis, the computation it is in, and whether it is
+    that computation's ``ROOT``."""
+
     name: str
     shape: str
     opcode: str
     rest: str
     computation: str
+    root: bool = False
 
 
 def shape_bytes(shape: str) -> list[int]:
@@ -80,6 +93,7 @@ def shape_bytes(shape: str) -> list[int]:
 
 
 def instructions(text: str) -> Iterator[Instr]:
+    """The instructions of an HLO module's text, in order."""
     computation = ""
     for line in text.splitlines():
         if line.rstrip().endswith("{") and "=" not in line.split("(")[0]:
@@ -88,7 +102,8 @@ def instructions(text: str) -> Iterator[Instr]:
             continue
         m = _INSTRUCTION.match(line)
         if m:
-            yield Instr(m.group(1), m.group(2), m.group(3), m.group(4), computation)
+            root = line.lstrip().startswith("ROOT ")
+            yield Instr(m.group(1), m.group(2), m.group(3), m.group(4), computation, root)
 
 
 def runs(instrs: list[Instr]) -> dict[str, int]:
@@ -123,6 +138,44 @@ def runs(instrs: list[Instr]) -> dict[str, int]:
     return times
 
 
+def control(instrs: list[Instr]) -> dict[str, str]:
+    """Each computation's *program*: itself for one that runs on its own (the entry, a
+    loop's body or condition, a called computation, a conditional's branch), else the
+    program of the instruction that calls it (a fusion's computation, a reducer, an
+    asynchronous op's wrapped computation)."""
+    order: list[str] = []
+    calls: dict[str, list[tuple[str, bool]]] = {}  # caller -> (callee, runs on its own)
+    for ins in instrs:
+        if not order or order[-1] != ins.computation:
+            order.append(ins.computation)
+        own = ins.opcode in ("while", "call", "conditional")
+        for _, callee in _CALLED.findall(ins.rest):
+            calls.setdefault(ins.computation, []).append((callee, own))
+        for branches in _BRANCHES.findall(ins.rest):
+            calls.setdefault(ins.computation, []).extend(
+                (b, True) for b in re.findall(r"%?([\w.\-]+)", branches)
+            )
+    owner = {order[-1]: order[-1]} if order else {}
+    for caller in reversed(order):  # callers are defined after their callees
+        for callee, own in calls.get(caller, []):
+            owner.setdefault(callee, callee if own else owner.get(caller, caller))
+    return owner
+
+
+def entered(instrs: list[Instr]) -> dict[str, int]:
+    """How many times each program (`control`) is entered in one execution of the
+    module: a loop's body and condition as often as the loop starts (the runs of the
+    computation that holds it); any other program as often as it runs."""
+    times = runs(instrs)
+    out = dict(times)
+    for ins in instrs:
+        if ins.opcode == "while":
+            for role, callee in _CALLED.findall(ins.rest):
+                if role in ("body", "condition"):
+                    out[callee] = times.get(ins.computation) or 1
+    return out
+
+
 Code: TypeAlias = dict[str, list[Instr]]
 Named: TypeAlias = dict[tuple[str, str], Instr]
 
@@ -131,7 +184,10 @@ def trip_count(loop: Instr, code: Code, named: Named) -> int:
     """A ``while``'s iterations: the count the compiler wrote into its backend config
     (the CPU and GPU compilers), else read from the loop itself (the TPU compiler): its
     condition ``i < N`` on an integer of the loop state that starts at a constant and
-    that its body adds 1 to; 1 (the body counted once) where any of that is not there."""
+    that its body steps by a positive constant ``c`` (the state it returns holds
+    ``i + c``: ``ceil((N - start) / c)`` iterations; the TPU compiler unrolls some
+    loops by 2 and steps them by 2); 1 (the body counted once) where any of that is
+    not there."""
     if found := _TRIP_COUNT.search(loop.rest):
         return int(found.group(1))
     condition = re.search(r"condition=%?([\w.\-]+)", loop.rest)
@@ -142,45 +198,61 @@ def trip_count(loop: Instr, code: Code, named: Named) -> int:
     if len(compares) != 1 or "direction=LT" not in compares[0].rest:
         return 1
     where = compares[0].computation
-    counter, bound = (named.get((where, name)) for name in operand_names(compares[0].rest)[:2])
+    counter, bound = (named.get((where, name)) for name in operands(compares[0].rest)[:2])
     index = re.search(r"index=(\d+)", counter.rest) if counter else None
     if not (index and counter and counter.opcode == "get-tuple-element"):
         return 1
     if bound is None or bound.opcode != "constant" or not _INTEGER.match(counter.shape):
         return 1
     i = int(index.group(1))
-    if not _adds_one(code.get(body.group(1), []), i, named):
+    step = _step(code.get(body.group(1), []), i, named)
+    if step is None:
         return 1
-    state = [named.get((loop.computation, name)) for name in operand_names(loop.rest)[:1]]
-    fields = (
-        operand_names(state[0].rest) if state and state[0] and state[0].opcode == "tuple" else []
-    )
+    state = [named.get((loop.computation, name)) for name in operands(loop.rest)[:1]]
+    fields = operands(state[0].rest) if state and state[0] and state[0].opcode == "tuple" else []
     init = named.get((loop.computation, fields[i])) if i < len(fields) else None
     while init is not None and init.opcode in ("copy", "bitcast"):  # to what it copies
-        init = named.get((loop.computation, operand_names(init.rest)[0]))
+        init = named.get((loop.computation, operands(init.rest)[0]))
     if init is None or init.opcode != "constant":  # a start known only at run time
         return 1
-    return max(_constant(bound) - _constant(init), 0)
+    return max(-(-(_constant(bound) - _constant(init)) // step), 0)
 
 
-def _adds_one(body: list[Instr], index: int, named: Named) -> bool:
-    """Whether a loop body adds the constant 1 to element ``index`` of its state (read
-    through copies): the counter of a loop that steps by one."""
-    counter = {
-        ins.name
-        for ins in body
-        if ins.opcode == "get-tuple-element" and re.search(rf"\bindex={index}\b", ins.rest)
-    }
-    for ins in body:  # HLO lists operands before their users
-        if ins.opcode in ("copy", "bitcast") and set(operand_names(ins.rest)) & counter:
-            counter.add(ins.name)
-        if ins.opcode == "add":
-            operands = operand_names(ins.rest)
-            ones = [named.get((ins.computation, op)) for op in operands if op not in counter]
-            if len(operands) == 2 and len(ones) == 1 and ones[0] is not None:
-                if ones[0].opcode == "constant" and _constant(ones[0]) == 1:
-                    return True
-    return False
+def _step(body: list[Instr], index: int, named: Named) -> int | None:
+    """The positive constant a loop body adds to element ``index`` of its state: the
+    body's result holds ``counter + c`` there (through copies and bitcasts), where the
+    counter is that element of the body's parameter. None for anything else."""
+    root = next((ins for ins in body if ins.root), None)
+    if root is None or root.opcode != "tuple":
+        return None
+    fields = operands(root.rest)
+    if index >= len(fields):
+        return None
+    where = root.computation
+
+    def through(name: str) -> Instr | None:
+        ins = named.get((where, name))
+        while ins is not None and ins.opcode in ("copy", "bitcast"):
+            ins = named.get((where, operands(ins.rest)[0]))
+        return ins
+
+    new = through(fields[index])
+    if new is None or new.opcode != "add":
+        return None
+    terms = [through(name) for name in operands(new.rest)]
+    if len(terms) != 2 or any(t is None for t in terms):
+        return None
+    counters = [t for t in terms if t.opcode == "get-tuple-element"]  # type: ignore[union-attr]
+    constants = [t for t in terms if t.opcode == "constant"]  # type: ignore[union-attr]
+    if len(counters) != 1 or len(constants) != 1:
+        return None
+    if not re.search(rf"\bindex={index}\b", counters[0].rest):  # type: ignore[union-attr]
+        return None
+    source = named.get((where, operands(counters[0].rest)[0]))  # type: ignore[union-attr]
+    if source is None or source.opcode != "parameter":
+        return None
+    c = _constant(constants[0])  # type: ignore[arg-type]
+    return c if c >= 1 else None
 
 
 def _constant(ins: Instr) -> int:
@@ -189,7 +261,7 @@ def _constant(ins: Instr) -> int:
     return int(m.group(1)) if m else 0
 
 
-def operand_names(rest: str) -> list[str]:
+def operands(rest: str) -> list[str]:
     """The names of an instruction's operands (``%x`` inside its parentheses)."""
     depth, end = 1, len(rest)
     for i, ch in enumerate(rest):
@@ -260,11 +332,12 @@ def collectives(text: str, devices: int) -> list[Collective]:
     """
     instrs = list(instructions(text))
     times = runs(instrs)
+    owner = control(instrs)
     users: dict[tuple[str, str], list[Instr]] = {}
     by_name: dict[tuple[str, str], Instr] = {}
     for ins in instrs:
         by_name[(ins.computation, ins.name)] = ins
-        for op in operand_names(ins.rest):
+        for op in operands(ins.rest):
             users.setdefault((ins.computation, op), []).append(ins)
     pid = _partition_scalars(instrs)
     # computations that a fusion named all-reduce-scatter calls (the TPU compiler's form)
@@ -293,7 +366,10 @@ def collectives(text: str, devices: int) -> list[Collective]:
             ]
         else:
             kinds = [kind] * len(sizes)
-        once = [Collective(k, b, groups, ins.name) for k, b in zip(kinds, sizes, strict=True)]
+        program = owner.get(ins.computation, ins.computation)
+        once = [
+            Collective(k, b, groups, ins.name, program) for k, b in zip(kinds, sizes, strict=True)
+        ]
         found += once * (times.get(ins.computation) or 1)
     return found
 
@@ -307,8 +383,8 @@ def _sizes(ins: Instr, kind: str, by_name: dict[tuple[str, str], Instr]) -> list
             # (operands, results) tuple of an async all-gather: the results half
             sizes = sizes[len(sizes) // 2 :]
         return sizes
-    operands = [by_name.get((ins.computation, op)) for op in operand_names(ins.rest)]
-    sizes = [b for op in operands if op is not None for b in shape_bytes(op.shape)]
+    found = [by_name.get((ins.computation, op)) for op in operands(ins.rest)]
+    sizes = [b for op in found if op is not None for b in shape_bytes(op.shape)]
     return sizes or shape_bytes(ins.shape)
 
 
@@ -341,7 +417,7 @@ def _partition_scalars(instrs: list[Instr]) -> set[tuple[str, str]]:
         if ins.opcode in ("partition-id", "replica-id"):
             derived.add(key)
         elif shape_bytes(ins.shape) and max(shape_bytes(ins.shape)) <= 8:
-            if any((ins.computation, op) in derived for op in operand_names(ins.rest)):
+            if any((ins.computation, op) in derived for op in operands(ins.rest)):
                 derived.add(key)
     return derived
 
@@ -351,12 +427,12 @@ def _slices(user: Instr, size: int, pid: set[tuple[str, str]]) -> bool:
     out = shape_bytes(user.shape)
     if not out or sum(out) >= size:
         return False
-    return any((user.computation, op) in pid for op in operand_names(user.rest))
+    return any((user.computation, op) in pid for op in operands(user.rest))
 
 
 def summary(found: list[Collective]) -> dict[str, int]:
     """Bytes per kind, every kind present (0 where none)."""
-    totals: dict[str, int] = dict.fromkeys(KINDS, 0)
+    totals = dict.fromkeys(KINDS, 0)
     for c in found:
         totals[c.kind] += c.bytes
     return totals

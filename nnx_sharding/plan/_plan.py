@@ -48,6 +48,8 @@ class Plan:
       notes: caveats about the figures (e.g. a compiler's report that was corrected).
       compile_seconds: the wall time of lowering and compiling.
       measured: seconds per step measured by `Plans.measure` (None until then).
+      program: what the cost model read from the compiled program (`_cost.Program`:
+        kernels, collectives, topology), to price it on another `Accelerator`.
     """
 
     layout: str
@@ -66,6 +68,7 @@ class Plan:
     measured: float | None = None
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     detail: tuple[Collective, ...] = dataclasses.field(default=(), repr=False)
+    program: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         if self.memory is None or self.time is None:

@@ -122,6 +122,8 @@ def plan(
         limit=limit,
         notes=(note,) if note else (),
         originals=tuple(args),
+        rules=rules,
+        num_slices=num_slices,
     )
 
     def build(candidate: Candidate) -> Any:

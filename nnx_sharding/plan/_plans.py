@@ -21,9 +21,12 @@ from .. import _errors
 from .._nodes import is_node
 from .._state_sharding import StateSharding
 from .._units import format_bytes, format_seconds
+from ._accelerator import Accelerator
+from ._calibrate import calibrate
 from ._compile import Step
 from ._hlo import KINDS
 from ._plan import Plan, shortfall
+from ._scale import Sizing, devices_for
 
 _SHORT = {
     "all-reduce": "AR",
@@ -116,6 +119,7 @@ class Plans(Sequence[Plan]):
             ("compute", "right"),
             ("comms", "right"),
             ("step", "right"),
+            ("range", "right"),
             ("no overlap", "right"),
         ):
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -128,7 +132,7 @@ class Plans(Sequence[Plan]):
         for i, p in enumerate(self._plans, 1):
             mesh = "×".join(f"{k}={v}" for k, v in p.mesh_shape.items())
             if p.memory is None or p.time is None:
-                row = [str(i), p.layout, mesh] + [""] * 9 + ([""] if measured else [])
+                row = [str(i), p.layout, mesh] + [""] * 10 + ([""] if measured else [])
                 table.add_row(*row, f"[red]{escape(str(p.reason))}[/red]")
                 continue
             comms = ", ".join(
@@ -148,6 +152,7 @@ class Plans(Sequence[Plan]):
                 format_seconds(p.time.compute),
                 format_seconds(p.time.comms),
                 format_seconds(p.time.step),
+                f"{format_seconds(p.time.step_low)}-{format_seconds(p.time.step_high)}",
                 format_seconds(p.time.serial),
             ]
             if measured:
@@ -240,6 +245,64 @@ class Plans(Sequence[Plan]):
             index = self._plans.index(plan)
             self._plans[index] = dataclasses.replace(plan, measured=statistics.median(times))
         return self
+
+    def calibrate(self, name: str | None = None) -> Accelerator:
+        """The accelerator these plans were costed on, with its achievable fractions
+        (matmul, HBM, links) fitted to the plans `measure` timed (`_calibrate`). Save it
+        with ``nnx_sharding.plan.save_accelerator`` and plan with it later, or see its
+        predictions here with `reprice`.
+
+        Raises:
+          ValueError: no plan was measured.
+        """
+        measured = [(p.program, p.measured) for p in self._plans if p.measured is not None]
+        return calibrate(self._step.accelerator, measured, name)
+
+    def reprice(self, accelerator: Accelerator) -> Plans:
+        """These plans, each priced anew on ``accelerator`` (measurements kept) and
+        ranked again; the compiled programs are not recompiled."""
+        plans = [
+            dataclasses.replace(p, time=p.program.time(accelerator), accelerator=accelerator.name)
+            if p.program is not None
+            else p
+            for p in self._plans
+        ]
+        step = dataclasses.replace(self._step, accelerator=accelerator)
+        return Plans(plans, step, self.title.replace(self._step.accelerator.name, accelerator.name))
+
+    def devices_for(
+        self,
+        tokens: float,
+        days: float,
+        *,
+        tokens_per_step: int | None = None,
+        scaling: str = "weak",
+        max_devices: int = 65536,
+    ) -> Sizing:
+        """The fewest devices that train ``tokens`` in ``days`` (`_scale`): the step is
+        planned again at each device count tried, on the same accelerator, layouts and
+        memory limit; with ``scaling='weak'`` (the default) the per-device batch stays
+        as planned, with ``'strong'`` the global batch does.
+
+        Raises:
+          ValueError: no count tried up to ``max_devices`` meets the target.
+        """
+        from ._planner import plan
+
+        step = self._step
+        layouts = sorted({p.layout for p in self._plans})
+
+        def replan(n: int, args: tuple[Any, ...]) -> Plans:
+            return plan(
+                step.fun, *args, devices=n, accelerator=step.accelerator,
+                memory_limit=step.limit, layouts=layouts, rules=step.rules,
+                num_slices=step.num_slices, **step.options,
+            )  # fmt: skip
+
+        return devices_for(
+            self, replan, tokens, days, tokens_per_step=tokens_per_step, scaling=scaling,
+            max_devices=max_devices,
+        )  # fmt: skip
 
 
 def _point(plan: Plan) -> tuple[int, float]:

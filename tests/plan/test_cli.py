@@ -29,6 +29,7 @@ def test_plans_the_decoder_and_prints_the_ranked_table(capsys, tmp_path):
         (["--layouts", "dp,ddp"], "unknown --layouts ddp; choose among dp,zero1,fsdp,tp"),
         (["--devices", "2048"], "the command plans up to 1024 devices"),
         (["--config", "huge"], "invalid choice: 'huge'"),
+        (["--tokens", "1e12"], "--tokens and --days go together"),
     ],
 )
 def test_a_bad_option_is_one_line_and_status_2(option, message, capsys):
@@ -76,3 +77,12 @@ def test_the_default_batch_splits_over_every_device(capfd):
     out = capfd.readouterr().out
     assert "batch 16 × 64 tokens) for 16 devices" in out
     assert "shapes do not divide" not in out and "best: Plan(" in out
+
+
+def test_tokens_and_days_size_the_run_in_devices(capfd):
+    """``--tokens 1e8 --days 1``: a target 2 devices meet (the tiny decoder's step is
+    microseconds): the command names that count, its plan and the days it predicts."""
+    argv = ["--config", "tiny", "--devices", "2", "--accelerator", "cpu", "--layouts", "dp"]
+    assert main([*argv, "--batch", "8", "--tokens", "1e8", "--days", "1"]) == 0
+    out = capfd.readouterr().out
+    assert "1e+08 tokens in 1 days: 2 devices: dp (data=2)" in out

@@ -152,7 +152,7 @@ LOOPS = {  # name: (step, the body's runs the planner counts)
         lambda m, x: jax.lax.while_loop(
             lambda c: c[0] < 10, lambda c: (c[0] + 3, _layer(m, c[1])), (0, x)
         )[1],
-        1,
+        4,
     ),
     "a float doubling below 1000 (runs 10)": (
         lambda m, x: jax.lax.while_loop(
@@ -166,9 +166,10 @@ LOOPS = {  # name: (step, the body's runs the planner counts)
 @pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_the_tpu_compilers_loops_count_only_what_their_condition_and_counter_prove(name):
-    """The TPU compiler writes no trip count. A loop ``i < N`` whose body adds 1 to an
-    integer ``i`` runs ``N - start`` times; any other loop is counted once, never more
-    than it runs (not 10 times for steps of 3, not 1000 for a float that doubles)."""
+    """The TPU compiler writes no trip count. A loop ``i < N`` whose body steps an
+    integer ``i`` by a constant ``c`` runs ``ceil((N - start) / c)`` times (4 for steps
+    of 3 below 10); any other loop is counted once, never more than it runs (not 1000
+    times for a float that doubles)."""
     step, counted = LOOPS[name]
     model = nnx.eval_shape(lambda: nnx.Linear(256, 256, use_bias=False, rngs=nnx.Rngs(0)))
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
