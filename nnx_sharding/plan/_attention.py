@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from .. import _errors
@@ -119,7 +120,12 @@ def splash_attention(
     def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         mask = sm.MultiHeadMask([sm.CausalMask((s, s))] * q.shape[1])
         kernel = sk.make_splash_mha(
-            mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
+            mask,
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=sizes,
+            interpret=interpret,
+            residual_checkpoint_name="context",  # saved with the output by dots_with_context
         )
         return jax.vmap(kernel)(q, k, v)
 
@@ -224,6 +230,9 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.A
 
 def _fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     out, lse = _forward(q, k, v)
+    # named as splash's residuals are in MaxText: a remat policy that saves the
+    # attention's output ('context') keeps what the backward pass needs with it
+    out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
     return out, (q, k, v, out, lse)
 
 
