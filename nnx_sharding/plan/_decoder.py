@@ -96,12 +96,9 @@ class DecoderConfig:
             "attention": ATTENTION,
         }
         for field, allowed in choices.items():
-            if getattr(self, field) not in allowed:
-                raise ValueError(
-                    _errors.decoder_bad_choice(
-                        "DecoderConfig", field, getattr(self, field), allowed
-                    )  # fmt: skip
-                )
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(_errors.decoder_bad_choice("DecoderConfig", field, value, allowed))
 
     @property
     def kv(self) -> int:
