@@ -5,11 +5,12 @@ A message names the transform and the argument, says what was found and where
 (`format_message`). The builders are split by who raises them: the transforms
 (`_transforms`, and `_prefixes` for sharding prefixes), those about the caller's
 objects (`_objects`), the tools around them (`_tools`) and checkpoints
-(`_checkpoint`), the planner (`_plan`, `_plan_hardware`); call sites use
+(`_checkpoint`), the planner (`_plan`, `_plan_hardware`, `_decoder`); call sites use
 ``_errors.<builder>``.
 """
 
 from ._checkpoint import *  # noqa: F403
+from ._decoder import *  # noqa: F403
 from ._layout import format_message as format_message
 from ._objects import *  # noqa: F403
 from ._partial import *  # noqa: F403

@@ -4,6 +4,11 @@
 ZeRO-1, FSDP, tensor parallel and the 2-D ones, on every factorisation of N), never
 allocating, and ranks the `Plans` by a written-down cost model on an `Accelerator`.
 
+The built-in decoder (`Decoder`, its `DecoderConfig` and the published models'
+`DECODER_CONFIGS`) and `decoder_builder` give the training step people run, with its
+knobs: the remat policy (`REMAT_POLICIES`) and gradient accumulation
+(`accumulate_gradients`).
+
 The subpackage is itself callable: ``nnx_sharding.plan(step, *args, ...)`` is `plan`.
 """
 
@@ -13,14 +18,31 @@ from typing import Any
 
 from ._accelerator import PRESETS as PRESETS
 from ._accelerator import Accelerator as Accelerator
+from ._activations import ACTIVATION_RULES as ACTIVATION_RULES
+from ._activations import constrain as constrain_activation
+from ._attention import attention as causal_attention
+from ._attention import blockwise_attention as blockwise_attention
 from ._cost import Memory as Memory
 from ._cost import Time as Time
+from ._decoder import CONFIGS as DECODER_CONFIGS
+from ._decoder import DECODER_RULES as DECODER_RULES
+from ._decoder import Decoder as Decoder
+from ._decoder import DecoderConfig as DecoderConfig
 from ._layouts import LAYOUTS as LAYOUTS
 from ._plan import Plan as Plan
 from ._planner import plan as plan
 from ._plans import Plans as Plans
+from ._remat import REMAT_POLICIES as REMAT_POLICIES
+from ._remat import remat_policy as remat_policy
+from ._steps import accumulate_gradients as accumulate_gradients
+from ._steps import decoder_builder as decoder_builder
+from ._steps import make_train_step as make_train_step
 
 __all__ = ["LAYOUTS", "PRESETS", "Accelerator", "Memory", "Plan", "Plans", "Time", "plan"]
+__all__ += ["ACTIVATION_RULES", "DECODER_CONFIGS", "DECODER_RULES", "REMAT_POLICIES"]
+__all__ += ["Decoder", "DecoderConfig", "accumulate_gradients", "blockwise_attention"]
+__all__ += ["causal_attention", "constrain_activation", "decoder_builder", "make_train_step"]
+__all__ += ["remat_policy"]
 
 
 class _CallableModule(types.ModuleType):

@@ -1,28 +1,45 @@
 """The planner's decoder-only transformer: its configs, layers, loss and training step.
 
-``python -m nnx_sharding plan`` and ``python -m nnx_sharding aot`` build this model with
-``nnx.eval_shape`` (never allocated) and compile its training step.
+A decoder as people train them today: RMSNorm, rotary position embeddings, a SwiGLU
+(gated, three matrices) or plain two-matrix MLP, grouped-query attention (``kv_heads``),
+optional tied embeddings, attention and MLP in sequence or in parallel off one norm,
+float32 parameters with bfloat16 compute. Its layers are stacked and scanned
+(``nnx.scan``), each rematerialized by a named policy (``nnx.remat``, `REMAT_POLICIES`).
+Attention never materialises the ``seq × seq`` scores (`attention`). Parameters carry
+logical axis names (`DECODER_RULES` binds them), activations logical activation names
+(`ACTIVATION_RULES`). ``python -m nnx_sharding plan`` and ``python -m nnx_sharding aot``
+build it with ``nnx.eval_shape`` (never allocated) and compile its training step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.ad_checkpoint import checkpoint_name
+
+from .. import _errors
+from ._activations import constrain
+from ._attention import ATTENTION, attention
+from ._remat import REMAT_POLICIES, remat_policy
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
+"""The MLP's activation functions by name (SwiGLU is ``silu`` with ``gated=True``)."""
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """The sizes of a decoder-only transformer and of the batch of one training step.
+    """A decoder-only transformer's sizes and choices, and its training batch.
 
-    >>> CONFIGS['1b'].param_count()
-    1037117440
+    Every field can be overridden: ``dataclasses.replace(CONFIGS['llama3-8b'],
+    layers=4, seq_len=2048)``.
+
+    >>> CONFIGS['llama2-7b'].param_count()
+    6738415616
     """
 
     name: str
@@ -32,30 +49,131 @@ class DecoderConfig:
     head_dim: int
     mlp: int
     layers: int
-    batch: int
-    seq_len: int
-    dtype: str = "float32"
-    scan: bool = False
-    """Stack the layers' weights and run them with ``jax.lax.scan``: compilers then build
-    one layer, not ``layers`` of them (what ``python -m nnx_sharding plan`` compiles)."""
+    batch: int = 8
+    seq_len: int = 2048
+    kv_heads: int | None = None
+    """Key and value heads (grouped-query attention); None: as many as ``heads``."""
+    gated: bool = True
+    """A gated MLP, ``act(x W_gate) * (x W_up) W_down`` (three matrices), else
+    ``act(x W_up) W_down``."""
+    activation: str = "silu"
+    """The MLP's activation, one of `ACTIVATIONS`."""
+    tied: bool = False
+    """The output head is the embedding matrix, transposed."""
+    parallel_block: bool = False
+    """Attention and MLP side by side off one norm (``x + attn(n(x)) + mlp(n(x))``)."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    param_dtype: str = "float32"
+    """The parameters' dtype, and so the optimizer state's."""
+    compute_dtype: str = "bfloat16"
+    """The matmuls' and the activations' dtype (norms and softmax run in float32)."""
+    scan: bool = True
+    """Stack the layers' weights and run them with ``nnx.scan``: compilers then build
+    one layer, not ``layers`` of them."""
+    remat: str = "none"
+    """The block's rematerialization policy, a name in `REMAT_POLICIES`."""
+    attention: str = "auto"
+    """The attention kernel, one of `ATTENTION` (``auto``: the target's, see
+    `attention_kernel`)."""
+
+    def __post_init__(self) -> None:
+        for field in ("vocab", "d_model", "heads", "head_dim", "mlp", "layers", "batch",
+                      "seq_len"):  # fmt: skip
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(_errors.decoder_bad_size(field, value))
+        if self.kv_heads is not None:
+            if not isinstance(self.kv_heads, int) or self.kv_heads < 1:
+                raise ValueError(_errors.decoder_bad_size("kv_heads", self.kv_heads))
+            if self.heads % self.kv_heads:
+                raise ValueError(_errors.decoder_bad_kv_heads(self.kv_heads, self.heads))
+        choices = {
+            "activation": list(ACTIVATIONS),
+            "param_dtype": DTYPES,
+            "compute_dtype": DTYPES,
+            "remat": list(REMAT_POLICIES),
+            "attention": ATTENTION,
+        }
+        for field, allowed in choices.items():
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(_errors.decoder_bad_choice("DecoderConfig", field, value, allowed))
+
+    @property
+    def kv(self) -> int:
+        """Key and value heads: ``kv_heads``, else ``heads``."""
+        return self.heads if self.kv_heads is None else self.kv_heads
 
     def param_count(self) -> int:
-        """Parameters, counted from the sizes (embedding, blocks, final norm, head)."""
-        block = 4 * self.d_model * self.heads * self.head_dim + 2 * self.d_model * self.mlp
-        block += 2 * self.d_model  # the two norm scales
-        return 2 * self.vocab * self.d_model + self.layers * block + self.d_model
+        """Parameters, counted from the sizes: embedding (and head unless tied), per
+        layer q, k, v, o, the MLP's 2 or 3 matrices and 1 or 2 norm scales, the final
+        norm."""
+        d = self.d_model
+        attention = 2 * d * self.heads * self.head_dim + 2 * d * self.kv * self.head_dim
+        block = attention + (3 if self.gated else 2) * d * self.mlp
+        block += (1 if self.parallel_block else 2) * d
+        return (1 if self.tied else 2) * self.vocab * d + self.layers * block + d
 
+    def model_flops(self) -> float:
+        """The training FLOPs of one step, all devices together, as MaxText counts
+        them: ``6·N·tokens`` (N every parameter, embeddings included) plus causal
+        attention, ``6·heads·layers·head_dim·seq²·batch`` (the ``12·…`` of
+        ``QKᵀ`` and ``PV``, forward and backward, halved for the mask). Per device:
+        this divided by the device count.
+
+        >>> c = CONFIGS['tiny']
+        >>> c.model_flops() == 6 * c.param_count() * 8 * 64 + 6 * 4 * 2 * 32 * 64**2 * 8
+        True
+        """
+        tokens = self.batch * self.seq_len
+        attention = 6 * self.heads * self.layers * self.head_dim * self.seq_len**2 * self.batch
+        return float(6 * self.param_count() * tokens + attention)
+
+
+_LLAMA3 = {"vocab": 128256, "kv_heads": 8, "rope_theta": 500000.0, "seq_len": 8192}
+_LEGACY = {"gated": False, "activation": "gelu", "norm_eps": 1e-6, "scan": False}
 
 CONFIGS: dict[str, DecoderConfig] = {
     c.name: c
     for c in (
-        DecoderConfig("tiny", 512, 128, 4, 32, 512, 2, batch=8, seq_len=64),
-        DecoderConfig("1b", 32000, 2048, 16, 128, 8192, 18, batch=8, seq_len=512),
-        DecoderConfig("1b-wide", 32000, 4096, 32, 128, 16384, 4, batch=8, seq_len=512),
+        DecoderConfig("tiny", 512, 128, 4, 32, 512, 2, batch=8, seq_len=64, **_LEGACY),
+        DecoderConfig("1b", 32000, 2048, 16, 128, 8192, 18, batch=8, seq_len=512, **_LEGACY),
+        DecoderConfig(
+            "1b-wide", 32000, 4096, 32, 128, 16384, 4, batch=8, seq_len=512, **_LEGACY
+        ),  # fmt: skip
+        DecoderConfig("llama2-7b", 32000, 4096, 32, 128, 11008, 32, seq_len=4096),
+        DecoderConfig(
+            "llama3-8b", d_model=4096, heads=32, head_dim=128, mlp=14336, layers=32, **_LLAMA3
+        ),  # fmt: skip
+        DecoderConfig(
+            "llama3-70b", d_model=8192, heads=64, head_dim=128, mlp=28672, layers=80, **_LLAMA3
+        ),  # fmt: skip
+        DecoderConfig(
+            "llama3-405b", d_model=16384, heads=128, head_dim=128, mlp=53248, layers=126, **_LLAMA3
+        ),  # fmt: skip
+        DecoderConfig(
+            "maxtext-32b",
+            32768,
+            10240,
+            32,
+            256,
+            32768,
+            32,
+            activation="relu",
+            gated=False,
+            tied=True,
+            parallel_block=True,
+        ),  # fmt: skip
     )
 }
-"""The named configs: ``tiny`` (docs, tests), ``1b`` (1.04B parameters, 18 layers of
-width 2048) and ``1b-wide`` (1.07B, 4 layers of width 4096: compiles several times faster)."""
+"""The named configs. Published models, with their published dimensions: ``llama2-7b``
+(6.74B parameters), ``llama3-8b`` (8.03B), ``llama3-70b`` (70.6B), ``llama3-405b``
+(405.9B); ``maxtext-32b``, MaxText's synthetic 32B of its v5p runs (32.55B: width 10240,
+32 heads of 256, a two-matrix ReLU MLP of 32768, attention and MLP in parallel, tied
+embeddings of 32768). For sizing (``python -m nnx_sharding aot``'s, unrolled, a GELU
+two-matrix MLP): ``tiny`` (docs, tests), ``1b`` (1.04B, 18 layers of width 2048) and
+``1b-wide`` (1.07B, 4 layers of width 4096: compiles several times faster)."""
 
 LOGICAL_AXES = {
     "batch": "data",
@@ -64,83 +182,119 @@ LOGICAL_AXES = {
     "mlp": "model",
     "vocab": "model",
 }
-"""Logical axis -> mesh axis: FSDP shards the ``embed`` dimension of every matrix over
-``data`` (and the batch with it), tensor parallelism splits heads, MLP units and the
-vocabulary over ``model``."""
+"""Logical axis -> mesh axis for ``python -m nnx_sharding aot``: FSDP shards the
+``embed`` dimension of every matrix over ``data`` (and the batch with it), tensor
+parallelism splits heads, MLP units and the vocabulary over ``model``."""
+
+DECODER_RULES: tuple[tuple[str, str | None], ...] = (
+    ("heads", "model"),
+    ("kv_heads", "model"),
+    ("mlp", "model"),
+    ("vocab", "model"),
+    ("embed", None),
+)
+"""The parameters' logical axes for `plan`'s ``rules``: tensor parallelism splits query
+heads, key/value heads (named ``kv_heads`` under grouped-query attention, ``heads``
+without it), MLP units and the vocabulary over ``model``; FSDP picks each Variable's
+largest dimension itself."""
+
+RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
 
-def _param(
-    rngs: nnx.Rngs,
-    shape: tuple[int, ...],
-    names: tuple[str | None, ...],
-    dtype: Any,
-    *,
-    norm: bool = False,
-):
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any,
+           *, norm: bool = False) -> nnx.Param:  # fmt: skip
     init = nnx.initializers.ones if norm else nnx.initializers.normal(0.02)
-    # logical axis names, mapped to mesh axes by `shard` (`abstract_model`)
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, the result in ``x``'s dtype."""
+    y = x.astype(jnp.float32)
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rope(seq: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """The rotary embedding's cosines and sines, (seq, head_dim / 2) float32."""
+    inv = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """``x`` (batch, seq, heads, head_dim) rotated by position (the two halves of the
+    head dimension as the pairs)."""
+    cos, sin = (t[None, :, None, :] for t in rope)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
 def _block_shapes(c: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """A block's weights: their shapes and logical axis names."""
     d, h, k, f = c.d_model, c.heads, c.head_dim, c.mlp
-    qkv = ((d, h, k), ("embed", "heads", None))
-    return {
-        "attn_norm": ((d,), (None,)),
-        "wq": qkv,
-        "wk": qkv,
-        "wv": qkv,
-        "wo": ((h, k, d), ("heads", None, "embed")),
-        "mlp_norm": ((d,), (None,)),
-        "up": ((d, f), ("embed", "mlp")),
-        "down": ((f, d), ("mlp", "embed")),
-    }
+    kv = ((d, c.kv, k), ("embed", "heads" if c.kv == h else "kv_heads", None))
+    shapes = {"attn_norm": ((d,), (None,)), "wq": ((d, h, k), ("embed", "heads", None))}
+    shapes |= {"wk": kv, "wv": kv, "wo": ((h, k, d), ("heads", None, "embed"))}
+    if not c.parallel_block:
+        shapes["mlp_norm"] = ((d,), (None,))
+    if c.gated:
+        shapes["gate"] = ((d, f), ("embed", "mlp"))
+    return shapes | {"up": ((d, f), ("embed", "mlp")), "down": ((f, d), ("mlp", "embed"))}
 
 
-def _block(x: jax.Array, w: Mapping[str, jax.Array]) -> jax.Array:
-    h = _rms_norm(x, w["attn_norm"])
-    q, k, v = (jnp.einsum("bsd,dhk->bshk", h, w[name]) for name in ("wq", "wk", "wv"))
-    scores = jnp.einsum("bshk,bthk->bhst", q, k) / math.sqrt(q.shape[-1])
-    causal = jnp.tril(jnp.ones(scores.shape[-2:], dtype=bool))
-    attn = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(scores.dtype).min), axis=-1)
-    x = x + jnp.einsum("bhst,bthk,hkd->bsd", attn, v, w["wo"])
-    h = _rms_norm(x, w["mlp_norm"])
-    return x + jax.nn.gelu(h @ w["up"]) @ w["down"]
+def _attention(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array], rope: Any) -> jax.Array:
+    heads = ("activation_batch", "activation_length", "activation_heads", None)
+    kv_heads = ("activation_batch", "activation_length", "activation_kv_heads", None)
+    q = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wq"]), heads)
+    k = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wk"]), kv_heads)
+    v = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wv"]), kv_heads)
+    out = attention(_rotate(q, rope), _rotate(k, rope), v, c.attention)
+    out = constrain(checkpoint_name(out, "context"), heads)
+    return jnp.einsum("bshk,hkd->bsd", out, w["wo"])
 
 
-def _batch_parallel(x: jax.Array) -> jax.Array:
-    """``x`` with its batch split over the data-parallel axes of the mesh set (``data``,
-    ``fsdp``; unchanged without them): a loop's carried activations would otherwise take
-    whatever sharding the compiler's propagation picks from the weights."""
-    axes = tuple(a for a in ("data", "fsdp") if a in jax.sharding.get_abstract_mesh().axis_names)
-    return jax.lax.with_sharding_constraint(x, P(axes)) if axes else x
+def _mlp(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    a = ACTIVATIONS[c.activation](h @ w["gate" if c.gated else "up"])
+    if c.gated:
+        a = a * (h @ w["up"])
+    return constrain(a, ("activation_batch", "activation_length", "activation_mlp")) @ w["down"]
+
+
+def _block(c: DecoderConfig, x: jax.Array, w: dict[str, jax.Array], rope: Any) -> jax.Array:
+    """One layer on the residual stream ``x`` (batch, seq, d_model)."""
+    dtype = jnp.dtype(c.compute_dtype)
+    w = {n: a if n.endswith("norm") else a.astype(dtype) for n, a in w.items()}
+    h = _rms_norm(x, w["attn_norm"], c.norm_eps)
+    if c.parallel_block:
+        x = x + _attention(c, h, w, rope) + _mlp(c, h, w)
+    else:
+        x = constrain(x + _attention(c, h, w, rope), RESIDUAL)
+        x = x + _mlp(c, _rms_norm(x, w["mlp_norm"], c.norm_eps), w)
+    return constrain(x, RESIDUAL)
 
 
 class Block(nnx.Module):
-    """Pre-norm causal self-attention and a GELU MLP, each around a residual. With
-    ``stack=L``, the weights of L such blocks, stacked on a leading (unsharded) axis."""
+    """One layer: attention and an MLP around the residual stream. With ``stack=L``,
+    the weights of L such layers, stacked on a leading (unsharded) axis."""
 
     def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        self.config = c
         for name, (shape, names) in _block_shapes(c).items():
             if stack is not None:
                 shape, names = (stack, *shape), (None, *names)
-            setattr(self, name, _param(rngs, shape, names, c.dtype, norm=name.endswith("norm")))
+            norm = name.endswith("norm")
+            setattr(self, name, _param(rngs, shape, names, c.param_dtype, norm=norm))
 
     def weights(self) -> dict[str, jax.Array]:
         """The weights' values by name."""
         return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return _block(x, self.weights())
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+        return _block(self.config, x, self.weights(), rope)
 
 
 class Decoder(nnx.Module):
-    """A decoder-only transformer (no positional encoding: a model for sizing).
+    """A decoder-only transformer; ``model(tokens)`` gives the logits.
 
     >>> with nnx.use_eager_sharding(False):
     ...     model = nnx.eval_shape(lambda: Decoder(CONFIGS['tiny'], rngs=nnx.Rngs(0)))
@@ -150,37 +304,49 @@ class Decoder(nnx.Module):
     """
 
     def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs):
-        self.embed = _param(rngs, (c.vocab, c.d_model), ("vocab", "embed"), c.dtype)
-        self.scan = c.scan
-        self.layers: Block | nnx.List[Block]  # one Block of stacked weights when scanned
+        self.config = c
+        self.embed = _param(rngs, (c.vocab, c.d_model), ("vocab", "embed"), c.param_dtype)
         if c.scan:
             self.layers = Block(c, rngs=rngs, stack=c.layers)
         else:
             self.layers = nnx.List([Block(c, rngs=rngs) for _ in range(c.layers)])
-        self.final_norm = _param(rngs, (c.d_model,), (None,), c.dtype, norm=True)
-        self.head = _param(rngs, (c.d_model, c.vocab), ("embed", "vocab"), c.dtype)
+        self.final_norm = _param(rngs, (c.d_model,), (None,), c.param_dtype, norm=True)
+        if not c.tied:
+            self.head = _param(rngs, (c.d_model, c.vocab), ("embed", "vocab"), c.param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.embed[...][tokens]
-        layers = self.layers
-        if isinstance(layers, Block):  # scanned (``self.scan``)
-            body = lambda x, w: (_batch_parallel(_block(x, w)), None)  # noqa: E731
-            x, _ = jax.lax.scan(body, _batch_parallel(x), layers.weights())
+        c = self.config
+        dtype = jnp.dtype(c.compute_dtype)
+        x = constrain(self.embed[...][tokens].astype(dtype), RESIDUAL)
+        rope = _rope(tokens.shape[1], c.head_dim, c.rope_theta)
+
+        def layer(x: jax.Array, block: Block) -> jax.Array:
+            return block(x, rope)
+
+        if c.remat != "none":  # each layer rematerialized on its own
+            layer = nnx.remat(layer, policy=remat_policy(c.remat), prevent_cse=not c.scan)
+        if c.scan:
+            x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
         else:
-            for block in layers:
-                x = block(x)
-        return _rms_norm(x, self.final_norm[...]) @ self.head[...]
+            for block in self.layers:
+                x = layer(x, block)
+        x = _rms_norm(x, self.final_norm[...], c.norm_eps)
+        if c.tied:
+            logits = jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(dtype))
+        else:
+            logits = x @ self.head[...].astype(dtype)
+        return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
 def loss_fn(model: Decoder, tokens: jax.Array) -> jax.Array:
-    """Next-token cross-entropy over ``tokens`` of shape ``(batch, seq_len + 1)``."""
+    """Next-token cross-entropy (float32) over ``tokens`` of shape ``(batch, seq_len + 1)``."""
     logits = model(tokens[:, :-1])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
 
 def train_step(model: Decoder, tokens: jax.Array, learning_rate: float = 1e-3) -> jax.Array:
-    """One SGD step on the loss, in place; returns the loss."""
+    """One SGD step on the loss, in place; returns the loss (``aot``'s step)."""
     loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda p, g: p - learning_rate * g, params, grads))

@@ -1,0 +1,272 @@
+"""Causal attention that never materialises the ``seq × seq`` scores, on every target.
+
+Which kernel each target gets (``implementation='auto'``), found by compiling for the
+compile-only devices the planner uses (no accelerator present):
+
+- TPU: Pallas's splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``),
+  in a ``shard_map`` over the batch and head axes as MaxText runs it: it compiles for
+  compile-only TPUs (libtpu compiles the Mosaic kernel). It needs the sequence and the
+  head dimension in multiples of 128; other shapes get the blockwise attention.
+- GPU: cuDNN's fused attention (``jax.nn.dot_product_attention(implementation='cudnn')``)
+  where it traces: on a GPU with cuDNN, in bfloat16 or float16. It does not trace for
+  compile-only GPUs: jax checks the cuDNN library's version and the local GPU's compute
+  capability while tracing, and raises without them (XLA itself compiles the cuDNN call
+  for a compile-only H100 once those checks are skipped, with no workspace). There, and
+  in float32, the blockwise attention below.
+- CPU, and every shape the kernels above do not take: `blockwise_attention`, written in
+  JAX: flash attention's algorithm, blocks of queries and keys, a running softmax, and a
+  backward pass (``jax.custom_vjp``) that recomputes each block's probabilities from the
+  saved log-sum-exp. It visits only the blocks on or below the diagonal, so its FLOPs
+  are the causal count (plus the diagonal blocks' upper halves).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from .. import _errors
+from ._activations import activation_spec
+
+ATTENTION = ("auto", "blockwise", "splash", "cudnn")
+"""The attention implementations a `DecoderConfig` may name."""
+BLOCK = 512
+"""The blockwise attention's block of queries and of keys (the largest divisor of the
+sequence up to this)."""
+_NEG = -0.7 * float(np.finfo(np.float32).max)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "auto") -> jax.Array:
+    """Causal softmax attention of ``q`` (batch, seq, heads, head_dim) over ``k`` and
+    ``v`` (batch, seq, kv_heads, head_dim; ``kv_heads`` divides ``heads``: grouped-query
+    attention), scaled by ``1/sqrt(head_dim)``; the kernel as `attention_kernel` picks.
+
+    >>> q = jnp.ones((1, 8, 4, 16)); kv = jnp.ones((1, 8, 2, 16))
+    >>> attention(q, kv, kv).shape
+    (1, 8, 4, 16)
+    """
+    kernel = attention_kernel(implementation, q.shape[1], q.shape[-1], q.dtype)
+    if kernel == "splash":
+        return splash_attention(q, k, v)
+    if kernel == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        except Exception:  # noqa: BLE001 - no GPU or cuDNN to trace for (compile-only)
+            if implementation == "cudnn":
+                raise
+    return blockwise_attention(q, k, v)
+
+
+def attention_kernel(implementation: str, seq: int, head_dim: int, dtype: Any) -> str:
+    """The kernel ``implementation`` gets for these shapes on the current target (the
+    platform of the mesh set with ``jax.set_mesh``, else jax's default backend):
+    ``'splash'``, ``'cudnn'`` (tried while tracing) or ``'blockwise'``.
+
+    >>> attention_kernel('auto', 4096, 128, jnp.bfloat16)  # on the CPU
+    'blockwise'
+    """
+    if implementation not in ATTENTION:
+        raise ValueError(
+            _errors.decoder_bad_choice("attention", "implementation", implementation, ATTENTION)
+        )
+    if implementation != "auto":
+        return implementation
+    platform = _platform()
+    if platform == "tpu" and seq % 128 == 0 and head_dim % 128 == 0:
+        return "splash"
+    if platform in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "blockwise"
+
+
+def _platform() -> str:
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
+# --- Pallas splash attention (TPU) -----------------------------------------------------------
+
+
+def splash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False
+) -> jax.Array:
+    """`attention` by Pallas's TPU splash kernel, batch and heads split over the mesh
+    as the activations are (``activation_batch``, ``activation_heads``); ``interpret``
+    runs the kernel in Pallas's interpreter (any backend: how it is tested)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    b, s, h, d = q.shape
+    spec = activation_spec(q.shape, ("activation_batch", None, "activation_heads", None))
+    entries = (*(spec or ()), None, None, None, None)
+    batch_axes, head_axes = entries[0], entries[2]
+    if head_axes is not None and k.shape[2] % (h // _local(h, head_axes)):
+        # kv heads that the heads' split does not divide: every query head gets its copy
+        k, v = (jnp.repeat(t, h // k.shape[2], axis=2) for t in (k, v))
+    q = q * jnp.asarray(1 / math.sqrt(d), q.dtype)
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+    block = 512 if s % 512 == 0 else 128
+    sizes = sk.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        mask = sm.MultiHeadMask([sm.CausalMask((s, s))] * q.shape[1])
+        kernel = sk.make_splash_mha(
+            mask,
+            head_shards=1,
+            q_seq_shards=1,
+            block_sizes=sizes,
+            interpret=interpret,
+            residual_checkpoint_name="context",  # saved with the output by dots_with_context
+        )
+        return jax.vmap(kernel)(q, k, v)
+
+    if spec is None:
+        out = local(q, k, v)
+    else:
+        part = P(batch_axes, head_axes)
+        out = jax.shard_map(
+            local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(part, part, part),
+            out_specs=part, check_vma=False,
+        )(q, k, v)  # fmt: skip
+    return jnp.swapaxes(out, 1, 2)
+
+
+def _local(n: int, axes: Any) -> int:
+    """``n`` split over ``axes`` of the current mesh: the local count."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return n // math.prod(sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+
+
+# --- blockwise attention in JAX (every target) ------------------------------------------------
+
+
+def _block(seq: int) -> int:
+    return max(b for b in range(1, min(BLOCK, seq) + 1) if seq % b == 0)
+
+
+def _pairs(n: int) -> tuple[jax.Array, jax.Array]:
+    """The (query block, key block) pairs on or below the diagonal, row by row."""
+    rows = [(i, j) for i in range(n) for j in range(i + 1)]
+    return jnp.array([r[0] for r in rows], jnp.int32), jnp.array([r[1] for r in rows], jnp.int32)
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kv_heads, h // kv_heads, d)
+
+
+def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, block: int) -> jax.Array:
+    """Scaled, causally masked scores of query block ``i`` and key block ``j``, float32,
+    (batch, kv_heads, group, block, block)."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
+    s = s / math.sqrt(qi.shape[-1])
+    rows = i * block + jnp.arange(block)[:, None]
+    cols = j * block + jnp.arange(block)[None, :]
+    return jnp.where(cols <= rows, s, _NEG)
+
+
+def _slice(x: jax.Array, index: jax.Array, block: int, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis)
+
+
+def _put(x: jax.Array, update: jax.Array, index: jax.Array, block: int, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), index * block, axis)
+
+
+@jax.custom_vjp
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """`attention` in blocks of queries and keys (flash attention's algorithm in JAX):
+    memory linear in the sequence, the backward pass recomputing each block.
+
+    >>> q, k = jnp.ones((1, 6, 2, 4)), jnp.ones((1, 6, 1, 4))
+    >>> ref = jax.nn.dot_product_attention(q, k, k, is_causal=True)
+    >>> bool(jnp.allclose(blockwise_attention(q, k, k), ref))
+    True
+    """
+    return _forward(q, k, v)[0]
+
+
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    block = _block(s)
+    qg = _grouped(q, kvh)
+    o = jnp.zeros(qg.shape, jnp.float32)  # (b, s, kvh, g, d)
+    m = jnp.full((b, kvh, h // kvh, s), _NEG, jnp.float32)
+    t0 = jnp.zeros_like(m)  # the running sum of exponentials
+
+    def step(carry: Any, ij: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
+        o, m, total = carry
+        i, j = ij
+        sc = _scores(_slice(qg, i, block, 1), _slice(k, j, block, 1), i, j, block)
+        m_old, t_old = _slice(m, i, block, 3), _slice(total, i, block, 3)
+        m_new = jnp.maximum(m_old, sc.max(-1))
+        p = jnp.exp(sc - m_new[..., None])
+        alpha = jnp.exp(m_old - m_new)
+        pv = jnp.einsum(
+            "bhgqk,bkhd->bqhgd", p.astype(v.dtype), _slice(v, j, block, 1),
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        scale = jnp.moveaxis(alpha, 3, 1)[..., None]  # (b, q, kvh, g, 1)
+        o = _put(o, _slice(o, i, block, 1) * scale + pv, i, block, 1)
+        m = _put(m, m_new, i, block, 3)
+        total = _put(total, t_old * alpha + p.sum(-1), i, block, 3)
+        return (o, m, total), None
+
+    (o, m, total), _ = jax.lax.scan(step, (o, m, t0), _pairs(s // block))
+    o = o / jnp.moveaxis(total, 3, 1)[..., None]
+    return o.reshape(b, s, h, d).astype(q.dtype), m + jnp.log(total)
+
+
+def _fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    out, lse = _forward(q, k, v)
+    # named as splash's residuals are in MaxText: a remat policy that saves the
+    # attention's output ('context') keeps what the backward pass needs with it
+    out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
+    return out, (q, k, v, out, lse)
+
+
+def _bwd(res: tuple[jax.Array, ...], do: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q, k, v, out, lse = res
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    block = _block(s)
+    qg, og, dog = (_grouped(t, kvh) for t in (q, out, do))
+    # D_i = rowsum(dO ∘ O): the softmax's correction, (b, kvh, g, s)
+    delta = jnp.moveaxis(jnp.sum(dog.astype(jnp.float32) * og.astype(jnp.float32), -1), 1, 3)
+    dq = jnp.zeros(qg.shape, jnp.float32)
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+
+    def step(carry: Any, ij: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
+        dq, dk, dv = carry
+        i, j = ij
+        qi, doi = _slice(qg, i, block, 1), _slice(dog, i, block, 1)
+        kj, vj = _slice(k, j, block, 1), _slice(v, j, block, 1)
+        p = jnp.exp(_scores(qi, kj, i, j, block) - _slice(lse, i, block, 3)[..., None])
+        f32 = {"preferred_element_type": jnp.float32}
+        dvj = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), doi, **f32)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", doi, vj, **f32)
+        ds = p * (dp - _slice(delta, i, block, 3)[..., None]) / math.sqrt(d)
+        dqi = jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(q.dtype), kj, **f32)
+        dkj = jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q.dtype), qi, **f32)
+        dq = _put(dq, _slice(dq, i, block, 1) + dqi, i, block, 1)
+        dk = _put(dk, _slice(dk, j, block, 1) + dkj, j, block, 1)
+        dv = _put(dv, _slice(dv, j, block, 1) + dvj, j, block, 1)
+        return (dq, dk, dv), None
+
+    (dq, dk, dv), _ = jax.lax.scan(step, (dq, dk, dv), _pairs(s // block))
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+blockwise_attention.defvjp(_fwd, _bwd)

@@ -1,0 +1,321 @@
+"""The built-in decoder (nnx_sharding/plan/_decoder.py): the published models' sizes, the
+forward pass against a reference written out in plain JAX, tied embeddings, grouped-query
+attention, the logical activation names, `decoder_builder`'s contract and one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import nnx_sharding
+from nnx_sharding.plan import (
+    DECODER_CONFIGS,
+    DECODER_RULES,
+    Decoder,
+    DecoderConfig,
+    constrain_activation,
+    decoder_builder,
+)
+from nnx_sharding.plan._activations import activation_spec
+from nnx_sharding.plan._layouts import Candidate, metadata_tp, node_specs
+
+PUBLISHED = {  # billions of parameters, to the digits the models' papers and cards give
+    "llama2-7b": "6.738",
+    "llama3-8b": "8.03",
+    "llama3-70b": "70.6",
+    "llama3-405b": "405.9",
+    "maxtext-32b": "32.55",
+}
+
+
+def abstract(config: DecoderConfig) -> Decoder:
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+
+
+def make(config: DecoderConfig, seed: int = 0) -> Decoder:
+    """The decoder with random weights drawn by numpy (jax's initializers compile a
+    program for each shape: seconds each on a busy CPU)."""
+    model = abstract(config)
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape, dtype = var.get_value().shape, var.get_value().dtype
+        base, scale = (1.0, 0.1) if str(path[-1]).endswith("norm") else (0.0, 0.3)
+        var.set_value(jnp.asarray(base + scale * rng.standard_normal(shape), dtype))
+    return model
+
+
+@nnx.jit
+def forward(model: Decoder, tokens: jax.Array) -> jax.Array:
+    return model(tokens)
+
+
+def counted(model: Decoder) -> int:
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_named_configs_have_the_published_parameter_counts(name):
+    config = DECODER_CONFIGS[name]
+    model = abstract(config)  # shapes only: 405B parameters never allocated
+    assert counted(model) == config.param_count()
+    digits = len(PUBLISHED[name].partition(".")[2])
+    assert f"{config.param_count() / 1e9:.{digits}f}" == PUBLISHED[name]
+
+
+def test_the_llama_configs_have_the_published_dimensions():
+    seven = DECODER_CONFIGS["llama2-7b"]
+    assert (seven.vocab, seven.d_model, seven.kv, seven.mlp, seven.tied) == (
+        32000, 4096, 32, 11008, False,
+    )  # fmt: skip
+    for name, layers in [("llama3-8b", 32), ("llama3-70b", 80), ("llama3-405b", 126)]:
+        c = DECODER_CONFIGS[name]
+        assert (c.vocab, c.kv, c.rope_theta, c.layers, c.gated) == (
+            128256, 8, 500000.0, layers, True,
+        )  # fmt: skip
+    big = DECODER_CONFIGS["maxtext-32b"]
+    assert (big.heads * big.head_dim, big.mlp, big.activation, big.gated) == (
+        8192, 32768, "relu", False,
+    )  # fmt: skip
+    assert big.tied and big.parallel_block and big.kv == big.heads
+
+
+def test_every_dimension_can_be_overridden():
+    c = dataclasses.replace(DECODER_CONFIGS["llama3-8b"], layers=2, vocab=1000, batch=4)
+    model = abstract(c)
+    assert model.layers.wq.shape == (2, 4096, 32, 128)
+    assert model.embed.shape == (1000, 4096)
+    assert counted(model) == c.param_count()
+
+
+# --- the forward pass, against a reference written out in plain JAX --------------------
+
+
+SMALL = DecoderConfig("small", 97, 32, 4, 8, 48, 2, batch=2, seq_len=12, kv_heads=2,
+                      compute_dtype="float32", rope_theta=500.0)  # fmt: skip
+VARIANTS = {
+    "swiglu-gqa": SMALL,
+    "unrolled": dataclasses.replace(SMALL, scan=False),
+    "parallel-relu-tied": dataclasses.replace(
+        SMALL, gated=False, activation="relu", tied=True, parallel_block=True, kv_heads=None
+    ),
+    "gelu": dataclasses.replace(SMALL, gated=False, activation="gelu", kv_heads=1),
+}
+
+
+def reference_logits(c: DecoderConfig, model: Decoder, tokens: jax.Array) -> jax.Array:
+    """Llama's forward pass (RMSNorm, rotary embeddings on halves, causal softmax
+    attention as jax computes it, the MLP), layer by layer, in float32."""
+
+    def norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+        return x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + c.norm_eps) * scale
+
+    half = c.head_dim // 2
+    freq = c.rope_theta ** (-np.arange(half) / half)
+    angle = np.arange(tokens.shape[1])[:, None] * freq[None, :]
+    cos, sin = np.cos(angle)[None, :, None], np.sin(angle)[None, :, None]
+
+    def rotate(x: jax.Array) -> jax.Array:
+        a, b = x[..., :half], x[..., half:]
+        return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    act = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}[c.activation]
+    blocks = list(model.layers) if not c.scan else [None] * c.layers
+    x = model.embed[...][tokens]
+    for i, block in enumerate(blocks):
+        w = (block or model.layers).weights()
+        w = w if block is not None else {k: v[i] for k, v in w.items()}
+        h = norm(x, w["attn_norm"])
+        q = rotate(jnp.einsum("bsd,dhk->bshk", h, w["wq"]))
+        k = rotate(jnp.einsum("bsd,dhk->bshk", h, w["wk"]))
+        v = jnp.einsum("bsd,dhk->bshk", h, w["wv"])
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+        attn = jnp.einsum("bshk,hkd->bsd", o, w["wo"])
+        m_in = h if c.parallel_block else norm(x + attn, w["mlp_norm"])
+        hidden = act(m_in @ w["gate"]) * (m_in @ w["up"]) if c.gated else act(m_in @ w["up"])
+        x = x + attn + hidden @ w["down"]
+    x = norm(x, model.final_norm[...])
+    return x @ (model.embed[...].T if c.tied else model.head[...])
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_decoder_computes_the_reference_forward_pass(name):
+    c = VARIANTS[name]
+    model = make(c)
+    tokens = jax.random.randint(jax.random.key(1), (c.batch, c.seq_len), 0, c.vocab)
+    got = forward(model, tokens)
+    assert got.shape == (c.batch, c.seq_len, c.vocab)
+    want = jax.jit(reference_logits, static_argnums=0)(c, model, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_stays_close():
+    """bfloat16 matmuls on float32 parameters: the logits within 1.5 times the error
+    that rounding the weights alone to bfloat16 makes (1.6 % here, through 2 random
+    layers)."""
+    c = dataclasses.replace(SMALL, compute_dtype="bfloat16")
+    model = make(c)
+    assert {v.dtype for v in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype("f4")}
+    tokens = jax.random.randint(jax.random.key(1), (c.batch, c.seq_len), 0, c.vocab)
+    got = forward(model, tokens)
+    assert got.dtype == jnp.bfloat16
+    want = np.asarray(jax.jit(reference_logits, static_argnums=0)(SMALL, model, tokens))
+
+    def error(x: jax.Array) -> float:
+        return float(np.sqrt(np.mean((np.asarray(x, np.float32) - want) ** 2) / np.mean(want**2)))
+
+    rounded = make(SMALL)
+    weights = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for path, var in nnx.to_flat_state(nnx.state(rounded, nnx.Param)):
+        var.set_value(weights[path].get_value().astype(jnp.bfloat16).astype(jnp.float32))
+    assert error(forward(model, tokens)) < 1.5 * error(forward(rounded, tokens))
+    all_bf16 = make(dataclasses.replace(c, param_dtype="bfloat16"))
+    assert {v.dtype for v in jax.tree.leaves(nnx.state(all_bf16, nnx.Param))} == {
+        jnp.dtype("bfloat16")
+    }
+
+
+def test_tied_embeddings_are_one_matrix_for_both_ends():
+    tied = dataclasses.replace(SMALL, tied=True)
+    model = make(tied)
+    assert not hasattr(model, "head")
+    assert counted(model) == SMALL.param_count() - SMALL.vocab * SMALL.d_model
+    untied = make(SMALL)
+    nnx.update(untied, nnx.state(model))  # the same weights, and the head the embedding's
+    untied.head.set_value(model.embed[...].T)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, SMALL.vocab)
+    np.testing.assert_allclose(forward(model, tokens), forward(untied, tokens), rtol=1e-6,
+                               atol=1e-6)  # fmt: skip
+
+
+def test_grouped_query_attention_projects_to_the_kv_heads():
+    c = dataclasses.replace(DECODER_CONFIGS["llama3-8b"], layers=2)
+    model = abstract(c)
+    assert model.layers.wq.shape == (2, 4096, 32, 128)
+    assert model.layers.wk.shape == model.layers.wv.shape == (2, 4096, 8, 128)
+    assert model.layers.wk.get_metadata()["out_sharding"] == (None, "embed", "kv_heads", None)
+    # without grouping, keys and values have the query heads' logical name
+    assert abstract(DECODER_CONFIGS["tiny"]).layers[0].wk.get_metadata()["out_sharding"] == (
+        "embed", "heads", None,
+    )  # fmt: skip
+
+
+def test_tensor_parallel_splits_the_kv_heads_where_they_divide():
+    """`DECODER_RULES` puts ``model`` on the kv heads: llama3-8b's 8 split 8 ways; over
+    16 devices they do not divide, and the candidate says so."""
+    model = abstract(dataclasses.replace(DECODER_CONFIGS["llama3-8b"], layers=1))
+    pairs = [(tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(model))]
+    tp = metadata_tp(pairs, DECODER_RULES)
+    assert tp[("layers", "wk")] == P(None, None, "model")
+    assert tp[("layers", "wq")] == P(None, None, "model")
+    specs, wrong = node_specs(Candidate("tp", {"model": 8}), pairs, tp, "model")
+    assert not wrong and specs[("layers", "wv")] == P(None, None, "model")
+    _, wrong = node_specs(Candidate("tp", {"model": 16}), pairs, tp, "model")
+    assert [w for w in wrong if "(8) is not divisible" in w] == [
+        "model.layers.wk: dimension 2 (8) is not divisible by 'model' (16)",
+        "model.layers.wv: dimension 2 (8) is not divisible by 'model' (16)",
+    ]
+
+
+# --- logical activation names -------------------------------------------------------------
+
+
+def test_activation_names_bind_to_the_axes_the_mesh_has():
+    names = ("activation_batch", "activation_length", "activation_embed")
+    assert activation_spec((8, 16, 64), names) is None  # no mesh: nothing to say
+    x = jnp.ones((8, 16, 64))
+    assert constrain_activation(x, names) is x
+    cases = [
+        ((("data", 2), ("fsdp", 2), ("model", 2)), P(("data", "fsdp"), None, "model")),
+        ((("fsdp", 8),), P("fsdp")),
+        ((("data", 2), ("model", 4)), P("data", None, "model")),
+        ((("model", 8),), P(None, None, "model")),
+        ((("data", 1), ("model", 3)), None),  # 64 does not split 3 ways; data is 1 device
+        ((("data", 16), ("fsdp", 2)), P("fsdp")),  # 8 sequences do not split 16 ways
+        ((("data", 2), ("fsdp", 8)), P("data")),  # nor 2 × 8: the first axes that divide
+    ]
+    for axes, expected in cases:
+        mesh = jax.sharding.AbstractMesh(tuple(n for _, n in axes), tuple(a for a, _ in axes))
+        with jax.sharding.use_abstract_mesh(mesh):
+            assert activation_spec((8, 16, 64), names) == expected, axes
+
+
+def test_the_decoder_lays_its_residual_stream_out_by_name():
+    """Under a mesh of ``data`` and ``model``, the decoder constrains its activations as
+    the names say: the batch over data; the residual stream's embed (32), the query heads
+    (4) and the MLP's units (48) over model; not the 2 kv heads nor the 97 logits, which
+    4 devices do not divide."""
+    c = dataclasses.replace(SMALL, batch=4, d_model=32)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    model = make(c)
+    tokens = jax.random.randint(jax.random.key(1), (4, 12), 0, c.vocab)
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda m, t: m(t)).lower(model, tokens).as_text()
+    constraints = {line.split("<@mesh, ")[1] for line in text.splitlines()
+                   if "sharding_constraint" in line}  # fmt: skip
+    assert constraints == {
+        '[{"data"}, {}, {"model"}]> : tensor<4x12x32xf32>',
+        '[{"data"}, {}, {"model"}, {}]> : tensor<4x12x4x8xf32>',
+        '[{"data"}, {}, {}, {}]> : tensor<4x12x2x8xf32>',
+        '[{"data"}, {}, {"model"}]> : tensor<4x12x48xf32>',
+        '[{"data"}, {}, {}]> : tensor<4x12x97xf32>',
+    }
+
+
+# --- the builder plan.search takes ----------------------------------------------------------
+
+
+def test_the_builder_gives_the_step_its_abstract_arguments_and_model_flops():
+    c = dataclasses.replace(SMALL, batch=8)
+    built = decoder_builder(c)({"remat": "dots", "microbatches": 2})
+    model, optimizer, tokens = built.args
+    assert isinstance(model, Decoder) and isinstance(optimizer, nnx.Optimizer)
+    assert model.config.remat == "dots"
+    values = jax.tree.leaves(nnx.state((model, optimizer)))
+    assert all(isinstance(v, jax.ShapeDtypeStruct) for v in values)  # never allocated
+    assert (tokens.shape, tokens.dtype) == ((8, 13), jnp.int32)
+    assert built.jit_options == {"donate_argnums": (0, 1)}
+    n, t = counted(model), 8 * 12
+    assert built.model_flops == 6 * n * t + 6 * 4 * 2 * 8 * 12**2 * 8
+    # the defaults: no remat, one microbatch; the step runs as its arguments say
+    default = decoder_builder(c)({})
+    assert default.args[0].config.remat == "none"
+    (fsdp,) = nnx_sharding.plan(default.step, *default.args, devices=8, layouts=["fsdp"],
+                                rules=DECODER_RULES, **default.jit_options)  # fmt: skip
+    assert fsdp.reason is None, fsdp.reason
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: decoder_builder(SMALL)({"remat": "dots", "pipeline": 2}),
+         "decoder_builder: unknown knobs 'pipeline'; the knobs are 'remat', 'microbatches'."),
+        (lambda: decoder_builder(SMALL)({"microbatches": 3}),
+         "decoder_builder: microbatches=3 does not divide the batch of 2; choose one of 1, 2."),
+        (lambda: decoder_builder(SMALL)({"remat": "everything"}),
+         "DecoderConfig: remat='everything' is not one of 'none', 'dots', "
+         "'dots_with_context', 'full'."),
+        (lambda: dataclasses.replace(SMALL, kv_heads=3),
+         "DecoderConfig: kv_heads=3 does not divide heads=4; choose one of 1, 2, 4."),
+        (lambda: dataclasses.replace(SMALL, activation="tanh"),
+         "DecoderConfig: activation='tanh' is not one of 'silu', 'gelu', 'relu'."),
+        (lambda: dataclasses.replace(SMALL, attention="flash"),
+         "DecoderConfig: attention='flash' is not one of 'auto', 'blockwise', 'splash', "
+         "'cudnn'."),
+        (lambda: dataclasses.replace(SMALL, layers=0),
+         "DecoderConfig: layers=0; expected a positive integer."),
+        (lambda: nnx_sharding.plan.remat_policy("dot"),
+         "remat_policy: name='dot' is not one of 'none', 'dots', 'dots_with_context', 'full'."),
+    ],
+)  # fmt: skip
+def test_bad_knobs_and_configs_are_one_line_errors(call, message):
+    with pytest.raises(ValueError) as info:
+        call()
+    assert str(info.value) == message
