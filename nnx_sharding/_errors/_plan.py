@@ -83,13 +83,16 @@ def plan_no_candidate_built(reasons: str) -> str:
     return f"plan: no candidate could be built. {reasons}"
 
 
-def plan_nothing_fits(limit: str, closest: str, needs: str, miss: str, miss_bytes: int) -> str:
+def plan_nothing_fits(
+    limit: str, closest: str, needs: str, miss: str, miss_bytes: int, advice: str = ""
+) -> str:
     return (
         f"plan: no layout fits in {limit} per device. The closest is "
         f"{closest}, which needs {needs} per device: "
-        f"{miss} ({miss_bytes:,} bytes) too many. Fixes: 1. plan for more "
-        "devices (devices=...); 2. raise memory_limit if the devices have more memory; "
-        "3. shrink the batch or the model, or donate the state (donate_argnums=...)."
+        f"{miss} ({miss_bytes:,} bytes) too many.{' ' + advice if advice else ''} Fixes: "
+        "1. plan for more devices (devices=...); 2. raise memory_limit if the devices have "
+        "more memory; 3. shrink the batch or the model, or donate the state "
+        "(donate_argnums=...)."
     )
 
 

@@ -98,9 +98,9 @@ def main(argv: Sequence[str]) -> int:
     if layouts and (wrong := [x for x in layouts if x not in LAYOUTS]):
         p.error(f"unknown --layouts {','.join(wrong)}; choose among {','.join(LAYOUTS)}")
     if topology is not None and args.devices is None:
-        from ._planner import _default_count
+        from ._planner import default_count
 
-        devices = _default_count(topology, args.num_slices)
+        devices = default_count(topology, args.num_slices)
     else:
         devices = args.devices or 8
     if devices > MAX_DEVICES:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 from .._jit import jit
 from .._sharding import StateSharding, is_node
 from .._state_sharding import AtPath
-from . import _flops, _hlo
+from . import _capture, _flops, _hlo
 from ._cost import Memory, predict
-from ._layouts import Candidate, Path, data_spec, node_specs
+from ._layouts import Candidate, Path, data_spec, node_specs, order_devices
 from ._plan import Plan, bind
 
 
@@ -42,6 +42,9 @@ class Step:
     limit: int
     notes: tuple[str, ...] = ()
     originals: tuple[Any, ...] = ()  # the arguments as given (for `Plans.measure`)
+    knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model_flops: float | None = None  # the builder's count, all devices, per step
+    tp_problem: str | None = None  # why no tensor-parallel candidate can be built
 
 
 def abstract(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
@@ -123,16 +126,15 @@ def state_bytes(step: Step, candidate: Candidate, specs: Sequence[Any]) -> int:
 
 
 def make_mesh(devices: Sequence[Any], shape: dict[str, int]) -> Mesh:
-    grid = np.array(list(devices)[: math.prod(shape.values())], dtype=object)
+    """A mesh of the first devices node by node (`order_devices`), shaped ``shape``."""
+    grid = np.array(order_devices(devices)[: math.prod(shape.values())], dtype=object)
     grid = grid.reshape(tuple(shape.values()))
     return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def compile_candidate(step: Step, candidate: Candidate) -> Plan:
-    """Lowers and compiles ``step`` laid out as ``candidate``; a `Plan` with the
-    measured figures and the predicted time, or with ``reason`` set if it cannot be
-    built (shapes that do not divide, a compiler error)."""
-    specs, problems = in_shardings(step, candidate)
+def listed(step: Step, candidate: Candidate, specs: Any = (), **fields: Any) -> Plan:
+    """A `Plan` of ``candidate`` without the compiler's figures (``fields`` say why)."""
+    n = math.prod(candidate.mesh_shape.values())
     base = {
         "layout": candidate.layout,
         "mesh_shape": dict(candidate.mesh_shape),
@@ -140,35 +142,58 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         "compiler": step.compiler,
         "accelerator": step.accelerator.name,
         "options": step.options,
+        "knobs": dict(step.knobs),
+        "model_flops": None if step.model_flops is None else step.model_flops / n,
+        "step": step.fun,
+        "source": step,
+        "memory": None,
+        "fits": False,
+        "flops": 0.0,
+        "collectives": {},
+        "time": None,
+        "reason": None,
     }
-    failed = {"memory": None, "fits": False, "flops": 0.0, "collectives": {}, "time": None}
+    return Plan(**{**base, **fields})
+
+
+def compile_candidate(step: Step, candidate: Candidate) -> Plan:
+    """Lowers and compiles ``step`` laid out as ``candidate``; a `Plan` with the
+    measured figures and the predicted time, or with ``reason`` set if it cannot be
+    built (shapes that do not divide, a compiler error). The compiler's warnings (while
+    `_capture.capturing`) go into its notes."""
+    specs, problems = in_shardings(step, candidate)
+    if step.tp_problem is not None and "model" in candidate.mesh_shape:
+        return listed(step, candidate, specs, reason=step.tp_problem)
     if problems:
         shown = "; ".join(problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        return Plan(**base, **failed, reason=f"shapes do not divide: {shown}{more}")
+        return listed(step, candidate, specs, reason=f"shapes do not divide: {shown}{more}")
+    state = state_bytes(step, candidate, specs)
     mesh = make_mesh(step.devices, dict(candidate.mesh_shape))
     bound = bind(specs, mesh)
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
-    start = time.perf_counter()
+    start, logged = time.perf_counter(), _capture.offset()
     try:
         with jax.set_mesh(mesh):  # the step may constrain its activations to the mesh's axes
             lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - any compiler error is this candidate's reason
         message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        return Plan(**base, **failed, reason=f"could not be compiled: {message}")
+        reason = f"could not be compiled: {message}"
+        return listed(step, candidate, specs, reason=reason, state_bytes=state)
     seconds = time.perf_counter() - start
     notes = list(step.notes)
+    notes += [f"the {step.compiler} compiler: {line}" for line in _capture.since(logged)]
     n = math.prod(candidate.mesh_shape.values())
     text = compiled.as_text()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
     flops = float((cost or {}).get("flops", 0.0))
     accessed = float((cost or {}).get("bytes accessed", 0.0))
-    state = state_bytes(step, candidate, specs)
     stats = compiled.memory_analysis()
     if stats is None:
-        return Plan(**base, **failed, reason=f"{step.compiler} compiler gives no memory_analysis")
+        reason = f"{step.compiler} compiler gives no memory_analysis"
+        return listed(step, candidate, specs, reason=reason, state_bytes=state)
     memory = Memory(
         state=state,
         arguments=int(stats.argument_size_in_bytes),
@@ -198,8 +223,10 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
             f"needs {memory.peak:,} bytes per device, {memory.peak - step.limit:,} more than "
             f"the limit of {step.limit:,}"
         )
-    return Plan(
-        **base,
+    return listed(
+        step,
+        candidate,
+        specs,
         memory=memory,
         fits=fits,
         flops=flops,
@@ -209,6 +236,8 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         notes=tuple(notes),
         compile_seconds=seconds,
         detail=tuple(found),
+        compiled=True,
+        state_bytes=state,
     )
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -16,12 +16,133 @@ from jax.sharding import PartitionSpec as P
 from .. import _errors
 from .._jit import resolve_argnums
 from .._sharding import is_node
-from ._compile import Step, abstract, compile_candidate
+from ._accelerator import Accelerator
+from ._compile import Step, abstract
 from ._cost import format_bytes, parse_bytes
-from ._layouts import LAYOUTS, Candidate, Path, Rules, candidates, metadata_tp, mirror
+from ._layouts import (
+    LAYOUTS,
+    Candidate,
+    LayoutSpec,
+    Path,
+    Rules,
+    candidates,
+    metadata_tp,
+    mirror,
+)
 from ._plans import Plans
 
 TP_LAYOUTS = tuple(name for name, axes in LAYOUTS.items() if "model" in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the plans are for: the devices compiled for, whose compiler, the
+    accelerator costed and the memory limit."""
+
+    accelerator: Accelerator
+    topology: str | None
+    devices: Sequence[Any]
+    compiler: str
+    limit: int
+    notes: tuple[str, ...]
+
+    @property
+    def title(self) -> str:
+        """The table's title."""
+        where = (
+            f"{self.accelerator.name}, {self.topology}" if self.topology else self.accelerator.name
+        )
+        return (
+            f"{len(self.devices)} devices ({where}; figures from the {self.compiler} compiler), "
+            f"memory limit {format_bytes(self.limit)} per device"
+        )
+
+
+def resolve_target(
+    devices: int | Sequence[Any] | None,
+    accelerator: Any,
+    memory_limit: int | str | None,
+    num_slices: int,
+) -> Target:
+    """The `Target` of `plan`'s and `search`'s arguments of the same names."""
+    from ._accelerator import resolve_accelerator
+    from ._devices import compile_devices
+
+    accel, topology = resolve_accelerator(accelerator)
+    limit = accel.hbm_bytes if memory_limit is None else parse_bytes(memory_limit)
+    if isinstance(devices, int) or devices is None:
+        n = devices if devices is not None else default_count(topology, num_slices)
+        if n < 1:
+            raise ValueError(_errors.plan_bad_device_count(n))
+        pool, compiler, note = compile_devices(accel, n, topology, num_slices)
+    else:
+        pool = list(devices)
+        compiler, note = pool[0].platform, None
+    return Target(accel, topology, pool, compiler, limit, (note,) if note else ())
+
+
+def check_layouts(layouts: Sequence[LayoutSpec] | None, n: int) -> list[Candidate] | None:
+    """``layouts`` validated: the candidates they name (None: every layout's)."""
+    if layouts is None:
+        return None
+    if isinstance(layouts, str):
+        layouts = [layouts]
+    names = [x for x in layouts if isinstance(x, str)]
+    unknown = [name for name in names if name not in LAYOUTS]
+    if unknown:
+        raise ValueError(_errors.plan_unknown_layouts(unknown, LAYOUTS))
+    return candidates(n, layouts)
+
+
+def prepare(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    jit_options: Mapping[str, Any],
+    target: Target,
+    rules: Rules | None,
+    tp_cache: dict[Any, Any] | None,
+) -> Step:
+    """The `Step` every candidate of ``fun(*args)`` shares. ``tp_cache`` keeps the
+    tensor-parallel analysis of each set of Variables (paths, shapes and dtypes), so
+    that steps built for other knob values over the same state are not analysed again
+    (remat and microbatching change the step, not which weights pair); None: no
+    candidate splits over ``model``, nothing to analyse."""
+    static, _ = resolve_argnums(
+        fun, jit_options.get("static_argnums"), jit_options.get("static_argnames")
+    )
+    abstract_args = abstract(args, static)
+    variables = {
+        i: [(tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(a))]
+        for i, a in enumerate(abstract_args)
+        if i not in static and is_node(a)
+    }
+    key = tuple(
+        (i, p, tuple(getattr(v.get_value(), "shape", ())), str(getattr(v.get_value(), "dtype", "")))
+        for i, pairs in variables.items()
+        for p, v in pairs
+    )
+    tp: dict[int, dict[Path, P] | None] = {}
+    tp_problem = None
+    if tp_cache is not None:
+        if key not in tp_cache or tp_cache[key][1] is not None:  # a failure: try this step
+            tp_cache[key] = _tensor_parallel(fun, abstract_args, static, variables, rules)
+        tp, tp_problem = tp_cache[key]
+    return Step(
+        fun=fun,
+        args=abstract_args,
+        static=static,
+        options=dict(jit_options),
+        variables=variables,
+        tp=tp,
+        devices=target.devices,
+        compiler=target.compiler,
+        accelerator=target.accelerator,
+        dtype=_dtype(variables),
+        limit=target.limit,
+        notes=target.notes,
+        originals=tuple(args),
+        tp_problem=tp_problem,
+    )
 
 
 def plan(
@@ -30,7 +151,7 @@ def plan(
     devices: int | Sequence[Any] | None = None,
     accelerator: Any = "cpu",
     memory_limit: int | str | None = None,
-    layouts: Sequence[str] | None = None,
+    layouts: Sequence[LayoutSpec] | None = None,
     rules: Rules | None = None,
     num_slices: int = 1,
     progress: bool = False,
@@ -40,7 +161,9 @@ def plan(
 
     Nothing is allocated: each candidate is lowered and compiled with
     `nnx_sharding.jit` for N devices (compile-only TPUs or GPUs where their plugins are
-    installed, else simulated CPU devices), and costed on ``accelerator``.
+    installed, else simulated CPU devices), and costed on ``accelerator``. Every
+    candidate is compiled; `search` plans a step built from knob values, and compiles
+    only the candidates that may be the fastest to fit.
 
     Args:
       fun: the step, as `nnx_sharding.jit` takes it.
@@ -53,7 +176,9 @@ def plan(
         (``'v5e:16x16'``) or an ``Accelerator``.
       memory_limit: bytes per device, an int or a string like ``'80GiB'`` (default:
         the accelerator's memory).
-      layouts: the layouts to try (default: all of `LAYOUTS`).
+      layouts: the layouts to try (default: all of `LAYOUTS`), each a name (on every
+        split of the devices) or one exact candidate, ``('fsdp+tp', {'fsdp': 16,
+        'model': 4})``.
       rules: logical axis rules for Variables' sharding metadata (``('mlp', 'model')``);
         tensor parallelism follows the metadata's ``model`` entries when there are
         any, else the planner's analysis of the step.
@@ -74,82 +199,35 @@ def plan(
     >>> sorted(p.layout for p in plans)
     ['dp', 'fsdp']
     """
-    from ._accelerator import resolve_accelerator
-    from ._devices import compile_devices
+    from ._built import Built
+    from ._search import explore
 
-    accel, topology = resolve_accelerator(accelerator)
-    unknown = [name for name in layouts or () if name not in LAYOUTS]
-    if unknown:
-        raise ValueError(_errors.plan_unknown_layouts(unknown, LAYOUTS))
-    limit = accel.hbm_bytes if memory_limit is None else parse_bytes(memory_limit)
-    if isinstance(devices, int) or devices is None:
-        n = devices if devices is not None else _default_count(topology, num_slices)
-        if n < 1:
-            raise ValueError(_errors.plan_bad_device_count(n))
-        pool, compiler, note = compile_devices(accel, n, topology, num_slices)
-    else:
-        pool = list(devices)
-        n, compiler, note = len(pool), pool[0].platform, None
-    static, _ = resolve_argnums(
-        fun, jit_options.get("static_argnums"), jit_options.get("static_argnames")
-    )
-    abstract_args = abstract(args, static)
-    variables = {
-        i: [(tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(a))]
-        for i, a in enumerate(abstract_args)
-        if i not in static and is_node(a)
-    }
-    chosen = candidates(n, layouts)
-    if layouts is None and not _has_optimizer_state(variables):  # zero1 would be dp
-        chosen = [c for c in chosen if c.layout != "zero1"]
-    tp: dict[int, dict[Path, P] | None] = {}
-    tp_problem = None
-    if any("model" in c.mesh_shape for c in chosen):
-        tp, tp_problem = _tensor_parallel(fun, abstract_args, static, variables, rules)
-    step = Step(
-        fun=fun,
-        args=abstract_args,
-        static=static,
-        options=dict(jit_options),
-        variables=variables,
-        tp=tp,
-        devices=pool,
-        compiler=compiler,
-        accelerator=accel,
-        dtype=_dtype(variables),
-        limit=limit,
-        notes=(note,) if note else (),
-        originals=tuple(args),
+    return explore(
+        lambda knobs: Built(fun, args, jit_options),
+        None,
+        devices=devices,
+        accelerator=accelerator,
+        memory_limit=memory_limit,
+        layouts=layouts,
+        rules=rules,
+        num_slices=num_slices,
+        progress=progress,
+        prune=False,
     )
 
-    def build(candidate: Candidate) -> Any:
-        if tp_problem is not None and "model" in candidate.mesh_shape:
-            return _unbuilt(step, candidate, tp_problem)
-        return compile_candidate(step, candidate)
 
-    # Two candidates at a time: one traces and lowers (Python) while the other compiles.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        pending = [pool.submit(build, candidate) for candidate in chosen]
-        try:
-            shown = zip(_progress(chosen, progress), pending, strict=True)
-            plans = [future.result() for _, future in shown]
-        except BaseException:  # an interrupt or an error: start no other candidate
-            for future in pending:
-                future.cancel()
-            raise
-    where = f"{accel.name}, {topology}" if topology else accel.name
-    title = (
-        f"{n} devices ({where}; figures from the {compiler} compiler), "
-        f"memory limit {format_bytes(limit)} per device"
-    )
-    return Plans(plans, step, title)
-
-
-def _default_count(topology: str | None, num_slices: int) -> int:
+def default_count(topology: str | None, num_slices: int) -> int:
+    """The devices planned for when not given: a TPU topology's chips, else jax's."""
     if topology:
         dims = re.findall(r"\d+", topology.split(":", 1)[1])
         return math.prod(int(d) for d in dims) * num_slices
     return jax.device_count()
+
+
+def has_optimizer_state(step: Step) -> bool:
+    """Whether any Variable of ``step`` is non-scalar optimizer state (else ``zero1``
+    is ``dp``)."""
+    return _has_optimizer_state(step.variables)
 
 
 def _has_optimizer_state(variables: dict[int, list[tuple[Path, nnx.Variable]]]) -> bool:
@@ -206,35 +284,3 @@ def _tensor_parallel(
     if not any("model" in tuple(s) for s in found.values()):
         return {}, "no weight to split over 'model' (no matmul pairs, no sharding metadata)"
     return {i: mirror(found, pairs) for i, pairs in variables.items()}, None
-
-
-def _unbuilt(step: Step, candidate: Candidate, reason: str) -> Any:
-    from ._plan import Plan
-
-    return Plan(
-        layout=candidate.layout,
-        mesh_shape=dict(candidate.mesh_shape),
-        in_shardings=(),
-        memory=None,
-        fits=False,
-        flops=0.0,
-        collectives={},
-        time=None,
-        reason=reason,
-        compiler=step.compiler,
-        accelerator=step.accelerator.name,
-    )
-
-
-def _progress(items: list[Candidate], show: bool) -> Any:
-    if not show:
-        yield from items
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task("compiling candidates", total=len(items))
-        for item in items:
-            bar.update(task, description=f"compiling {item.label}")
-            yield item
-            bar.advance(task)
