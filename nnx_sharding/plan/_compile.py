@@ -183,7 +183,7 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         return listed(step, candidate, specs, reason=reason, state_bytes=state)
     seconds = time.perf_counter() - start
     notes = list(step.notes)
-    notes += [f"the {step.compiler} compiler: {line}" for line in _capture.since(logged)]
+    notes += compiler_notes(step.compiler, _capture.since(logged))
     n = math.prod(candidate.mesh_shape.values())
     text = compiled.as_text()
     cost = compiled.cost_analysis()
@@ -239,6 +239,23 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         compiled=True,
         state_bytes=state,
     )
+
+
+def compiler_notes(
+    compiler: str, lines: Sequence[str], keep: int = 3, width: int = 160
+) -> list[str]:
+    """The compiler's warnings as notes: the first ``keep``, each cut to ``width``
+    characters (the SPMD partitioner's quote whole instructions), and how many more.
+
+    >>> compiler_notes('gpu', ['a' * 200, 'b', 'c', 'd'], width=10)[::3]
+    ['the gpu compiler: aaaaaaaaa…', 'the gpu compiler: and 1 more warning']
+    """
+    cut = [line if len(line) <= width else line[: width - 1] + "…" for line in lines[:keep]]
+    notes = [f"the {compiler} compiler: {line}" for line in cut]
+    if len(lines) > keep:
+        more = len(lines) - keep
+        notes.append(f"the {compiler} compiler: and {more} more warning{'s' * (more > 1)}")
+    return notes
 
 
 def _per_iteration(text: str, flops: float, accessed: float) -> tuple[float, float, str | None]:

@@ -291,7 +291,7 @@ def _pruned(
         reason = f"not compiled: no faster than {by.label} ({took})"
         if why.best != why.by:
             fast = format_seconds(best.time.step) if best.time else "?"
-            reason += f"; the fastest that fits, {best.label}, takes {fast}"
+            reason += f", slower than {best.label} ({fast}), which fits"
         else:
             reason += ", which fits"
     return listed(

@@ -129,12 +129,13 @@ def test_one_to_two_microbatches_is_not_taken_to_save_memory():
 def test_a_point_that_misses_by_less_than_the_margin_proves_nothing(over, pruned):
     """The lightest point misses the limit by 5 %, then by 20 %: only the second stands
     for the heavier points (more remat or microbatches needed up to 9 % more memory
-    on the CPU compiler)."""
+    on the CPU compiler), the fastest point aside (it checks the rule)."""
     grid = points({"remat": ["none", "full"], "microbatches": [2, 4]})
     schedule = Schedule([(0, rank(k)) for k in grid], 100.0)
     lightest = grid.index({"remat": "full", "microbatches": 4})
     schedule.record(lightest, Outcome(False, 1.0, 100.0 * over))
-    assert len(schedule.pruned) == (3 if pruned else 0)
+    assert len(schedule.pruned) == (2 if pruned else 0)
+    assert grid.index({"remat": "none", "microbatches": 2}) not in schedule.pruned
     assert all(why.kind == "memory" and why.by == lightest for why in schedule.pruned.values())
 
 
@@ -190,3 +191,47 @@ def test_command_line_values_are_typed():
         "dots",
         "nan",
     ]
+
+
+def drive(units, truth, limit):
+    """Compiles one unit at a time, as the schedule says; the schedule at the end."""
+    schedule = Schedule(units, limit)
+    while (i := schedule.next(busy=[])) is not None:
+        peak, time = truth[i]
+        schedule.record(i, Outcome(peak <= limit, time, peak))
+    return schedule
+
+
+def lattice_after_a_large_model(figures):
+    """A one-point lattice that does not fit (so that probes start with the lightest
+    point, as for large models), then a 2 x 2 lattice with ``figures`` by knobs."""
+    grid = points({"remat": ["none", "full"], "microbatches": [2, 4]})
+    units = [("big", rank({"remat": "none", "microbatches": 2}))]
+    units += [("small", rank(k)) for k in grid]
+    truth = [(1000.0, 1.0)] + [figures[(k["remat"], k["microbatches"])] for k in grid]
+    return grid, units, truth
+
+
+def test_points_that_contradict_the_memory_rule_make_their_lattice_compile_it_all():
+    """The lightest point needs far more than the limit, yet two heavier ones fit: the
+    fastest point (always compiled) needs less than the lightest, so the rule is
+    dropped for the lattice and the points it had pruned are compiled."""
+    figures = {("none", 2): (105.0, 1.0), ("none", 4): (98.0, 1.2)}
+    figures |= {("full", 2): (97.0, 1.3), ("full", 4): (150.0, 1.5)}
+    grid, units, truth = lattice_after_a_large_model(figures)
+    schedule = drive(units, truth, 100.0)
+    assert schedule.distrusted["memory"] == {"small"}
+    best = grid[schedule.best - 1]
+    assert (best["remat"], best["microbatches"]) == ("none", 4)
+    assert truth[schedule.best] == (98.0, 1.2)
+
+
+def test_points_that_contradict_the_time_rule_make_their_lattice_compile_it_all():
+    """The lightest point fits and is faster than the fastest (by 20 %): the time rule
+    is dropped for the lattice, and its other points are compiled too."""
+    figures = {("none", 2): (120.0, 1.0), ("none", 4): (110.0, 1.1)}
+    figures |= {("full", 2): (105.0, 1.2), ("full", 4): (90.0, 0.8)}
+    _, units, truth = lattice_after_a_large_model(figures)
+    schedule = drive(units, truth, 100.0)
+    assert schedule.distrusted["time"] == {"small"}
+    assert set(schedule.outcomes) == {0, 1, 2, 3, 4} and not schedule.pruned
