@@ -155,7 +155,7 @@ def explore(
         else:
             plans.append(_pruned(schedule, i, steps[p], chosen[c], compiled))
     advice: list[Plan] = []
-    if prune and space is not None and not any(p.fits for p in plans):
+    if prune and not any(p.fits for p in plans) and reads & {"remat", "microbatches"}:
         advice = advise(build, plans, target, rules, tp_cache, reads)
     return Plans(plans, steps[0], target.title, advice=advice, space=space)
 
@@ -320,15 +320,18 @@ def advise(
     with capturing():
         for p in closest[:2]:
             candidate = Candidate(p.layout, dict(p.mesh_shape))
-            step = p.source
-            tries = extensions(p.knobs, reads, batch_of(step), data_parallel(candidate))
-            for knobs in tries:
+            sizes = (batch_of(p.source), data_parallel(candidate))
+            tries = extensions(p.knobs, reads, *sizes)
+            while tries:
+                knobs = tries.pop(0)
                 if len(out) >= ADVICE_COMPILES:
                     return out
                 try:
                     extra = make_step(build, knobs, target, rules, tp_cache, set())
-                except (ValueError, TypeError):  # the builder refuses it: no further
-                    break
+                except (ValueError, TypeError):  # refused: the remat policy, or no further
+                    changed = knobs.get("remat") != p.knobs.get("remat", "none")
+                    tries = extensions(p.knobs, reads - {"remat"}, *sizes) if changed else []
+                    continue
                 plan = precheck(extra, candidate, True) or compile_candidate(extra, candidate)
                 out.append(plan)
                 if plan.fits:

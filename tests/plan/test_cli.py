@@ -179,3 +179,16 @@ def test_a_size_the_decoder_lacks_names_the_ones_it_has(capsys):
         main(["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--kv-heads", "2"])
     err = capsys.readouterr().err
     assert "--kv-heads: the decoder has no such size; it has batch, d_model" in err
+
+
+def test_when_nothing_fits_the_command_says_which_microbatches_would(capsys):
+    """The decoder at batch 64 needs ~29.5 MB per device with fsdp at one microbatch,
+    ~16 MB with 2, ~9.3 MB with 4 (the CPU compiler): under a 12 MB limit, the command
+    compiles more microbatches than it was asked for, and names 4 (this decoder takes no
+    remat policy but 'none': that one is skipped)."""
+    argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "fsdp"]
+    assert main([*argv, "--batch", "64", "--memory-limit", "12000000"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "plan: no layout fits in 11.44 MiB per device. The closest is fsdp (fsdp=8)" in out
+    assert "Compiled beyond the space searched, fsdp (fsdp=8; microbatches=4) fits" in out
+    assert "search microbatches=4." in out
