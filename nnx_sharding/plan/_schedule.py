@@ -17,11 +17,11 @@ where activations dominate. Each is checked against every two compiled units of 
 lattice: where two contradict it (a unit that recomputes more is faster by more than
 `TIME_TOLERANCE`, or one that should need less memory needs more than
 `MEMORY_TOLERANCE` more), the lattice loses that rule, and what it had pruned by it
-is compiled after all. A lattice's fastest point is always compiled (no rule prunes
-it), so that the lightest points are checked against it. Measured on small models (a
-2-layer MLP, 0.5 to 9 MiB per device): the CPU compiler needed up to 9 % more memory
-with full remat than with none under FSDP, the GPU compiler 17 % more with ``dots``
-than with none at 2 microbatches.
+is compiled after all. A lattice's fastest point is compiled (no rule prunes it) unless
+a lighter one needs over twice the limit, so that the lightest points are checked
+against it. Measured on small models (a 2-layer MLP, 0.5 to 9 MiB per device): the CPU
+compiler needed up to 9 % more memory with full remat than with none under FSDP, the
+GPU compiler 17 % more with ``dots`` than with none at 2 microbatches.
 
 The order: every lattice's first probe, then its second, then its third (its fastest
 point, its lightest, and its lightest without microbatching: one tells whether the
@@ -41,6 +41,10 @@ from ._knobs import Rank, no_faster, no_heavier
 MEMORY_MARGIN = 0.10
 """A compiled point that does not fit stands for the heavier points only when its
 peak exceeds the limit by more than this fraction."""
+FASTEST_MARGIN = 1.0
+"""And for the lattice's fastest point only when it exceeds the limit by more than this
+(twice the limit: far beyond any contradiction measured, where the fastest point would
+only check the rule)."""
 TIME_TOLERANCE = 0.01
 """A unit that recomputes more and is faster by less than this fraction (the bytes
 accessed of a different fusion) does not contradict the time rule."""
@@ -144,15 +148,13 @@ class Schedule:
             self._fast_first = False
         if not self.prune:
             return
-        far = (outcome.peak or 0) > self.limit * (1 + MEMORY_MARGIN)
+        peak = outcome.peak or 0
+        far, farther = (peak > self.limit * (1 + m) for m in (MEMORY_MARGIN, FASTEST_MARGIN))
         if outcome.fits is False and far and lattice not in self.distrusted["memory"]:
-            for j in self._lattices[lattice]:  # the fastest is compiled: it checks the rule
-                if (
-                    self.is_open(j)
-                    and no_heavier(self.units[j][1], rank)
-                    and not self._is_fastest(j)
-                ):
-                    self.pruned[j] = Pruned("memory", i)
+            for j in self._lattices[lattice]:  # the fastest checks the rule, unless farther
+                if self.is_open(j) and no_heavier(self.units[j][1], rank):
+                    if farther or not self._is_fastest(j):
+                        self.pruned[j] = Pruned("memory", i)
         if self.best is None:
             return
         limit = self.outcomes[self.best].time
