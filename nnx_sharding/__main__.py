@@ -37,8 +37,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "plan": (
         "nnx_sharding.plan._cli:main",
-        "plan the built-in decoder's layout on N devices: every candidate compiled, "
-        "ranked by predicted step time",
+        "plan the built-in decoder's layout on N devices (or your own builder's, "
+        "--model), searching its knobs: ranked by predicted step time",
     ),
 }
 """``python -m nnx_sharding NAME ...``: NAME -> (``module:function`` taking the rest of

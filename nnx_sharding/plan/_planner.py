@@ -31,8 +31,6 @@ from ._layouts import (
 )
 from ._plans import Plans
 
-TP_LAYOUTS = tuple(name for name, axes in LAYOUTS.items() if "model" in axes)
-
 
 @dataclasses.dataclass(frozen=True)
 class Target:
