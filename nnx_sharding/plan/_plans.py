@@ -235,7 +235,8 @@ class Plans(Sequence[Plan]):
         """Every plan (and the `advice`) as JSON text, also written to ``path`` if given.
 
         Per plan: ``layout``, ``mesh_shape``, ``knobs``, ``compiled``, ``pruned``,
-        ``fits`` (null where it was not compiled and may fit), ``reason``, ``compiler``,
+        ``fits`` (null where it was not compiled, but for a state above the limit),
+        ``reason``, ``compiler``,
         ``memory`` (``state``, ``arguments``, ``outputs``, ``alias``, ``temp``,
         ``peak``: bytes per device, the compiler's; only ``state``, from the shardings,
         where it was not compiled), ``flops`` (per device per step), ``collectives``
@@ -370,7 +371,7 @@ def plan_json(p: Plan) -> dict[str, Any]:
         "knobs": dict(p.knobs),
         "compiled": p.compiled,
         "pruned": p.pruned,
-        "fits": None if p.pruned == "time" else p.fits,
+        "fits": None if p.pruned in ("time", "memory") else p.fits,  # inferred: unknown
         "reason": p.reason,
         "compiler": p.compiler,
         "accelerator": p.accelerator,
