@@ -44,8 +44,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "plan": (
         "nnx_sharding._cli.plan:main",
-        "plan the built-in decoder's layout on N devices: every candidate compiled, "
-        "ranked by predicted step time",
+        "plan the built-in decoder's layout on N devices (or your own builder's, "
+        "--model), searching its knobs: ranked by predicted step time",
     ),
     "compilers": (
         "nnx_sharding._cli.compilers:main",

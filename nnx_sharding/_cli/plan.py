@@ -1,10 +1,13 @@
-"""``python -m nnx_sharding plan``: plans the built-in decoder (``aot``'s configs).
+"""``python -m nnx_sharding plan``: plans the built-in decoder, or your own builder.
 
 ``python -m nnx_sharding plan --config 1b --devices 64 --accelerator h100`` builds the
 decoder and an adam optimizer with ``nnx.eval_shape`` (never allocated), compiles one
 training step under every candidate layout for 64 devices and prints the ranked table.
 The decoder's layers are scanned (``DecoderConfig.scan``), as large models are written:
 the compiler builds one layer, and the planner counts it once per layer.
+``--remat none,dots,full --microbatches 1,2,4`` (and ``--knob NAME=V1,V2``) search
+those knob values with `nnx_sharding.plan.search`; ``--model pkg.module:build`` plans
+your own builder (``build(knobs) -> Built``) instead of the decoder.
 Where no compile-only devices of the accelerator are installed, the command gives
 itself the simulated CPU devices it needs (re-running itself in a fresh process).
 """
@@ -21,9 +24,16 @@ from typing import Any
 from .common import Parser, cpu_devices_or_rerun, positive
 
 PROG = "python -m nnx_sharding plan"
-RULES = [("heads", "model"), ("mlp", "model"), ("vocab", "model"), ("embed", None)]
-"""The decoder's logical axes: tensor parallelism splits heads, MLP units and the
-vocabulary; FSDP picks each Variable's largest dimension itself."""
+DIMENSIONS = {
+    "d_model": "width of the residual stream",
+    "layers": "layers",
+    "heads": "query heads",
+    "kv_heads": "key/value heads (grouped-query attention)",
+    "head_dim": "width of a head",
+    "mlp": "width of the MLP",
+    "vocab": "vocabulary size",
+}
+"""The decoder's sizes the command overrides (``--d-model``, ...), by config field."""
 MAX_DEVICES = 1024
 
 
@@ -65,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
         "--batch",
         type=positive,
         help="sequences per step (default: the smallest multiple of both the config's and "
-        "the device count, so that every layout can split it)",
+        "the device count times the microbatch counts, so that every layout can split "
+        "every microbatch)",
     )
     p.add_argument("--seq", type=positive, help="tokens per sequence (default: the config's)")
     p.add_argument(
@@ -73,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-slices", type=positive, default=1, help="TPU slices (1)")
     p.add_argument("--plot", metavar="FILE", help="also save the plot (needs matplotlib)")
+    p.add_argument("--json", metavar="FILE", help="also write every plan as JSON")
     p.add_argument(
         "--tokens",
         type=float,
@@ -80,7 +92,68 @@ def parser() -> argparse.ArgumentParser:
         "(the per-device batch kept; the step planned again at each count tried)",
     )
     p.add_argument("--days", type=float, help="with --tokens: the days to train them in")
+    search = p.add_argument_group("knobs searched (every combination; see plan.search)")
+    search.add_argument("--remat", type=_texts, help="remat policies, e.g. none,dots,full")
+    search.add_argument("--microbatches", type=_counts, help="microbatch counts, e.g. 1,2,4,8")
+    search.add_argument(
+        "--knob",
+        action="append",
+        default=[],
+        type=_knob,
+        metavar="NAME=V1,V2",
+        help="any other knob of the builder and its values (repeatable)",
+    )
+    search.add_argument(
+        "--no-prune",
+        action="store_true",
+        help="compile every point (default: leave uncompiled what cannot be fastest)",
+    )
+    search.add_argument(
+        "--all", action="store_true", help="show the points left uncompiled in the table too"
+    )
+    model = p.add_argument_group("the model")
+    model.add_argument(
+        "--model",
+        metavar="MODULE:NAME",
+        help="plan your own builder, build(knobs) -> nnx_sharding.plan.Built, instead "
+        "of the decoder (e.g. mypkg.train:build)",
+    )
+    for field, text in DIMENSIONS.items():
+        flag = "--" + field.replace("_", "-")
+        model.add_argument(flag, type=positive, dest=field, help=f"the decoder's {text}")
+    model.add_argument(
+        "--gated",
+        action=argparse.BooleanOptionalAction,
+        help="a gated (SwiGLU) MLP, or not (--no-gated)",
+    )
+    model.add_argument(
+        "--tied", action=argparse.BooleanOptionalAction, help="tie the embedding and the head"
+    )
+    model.add_argument("--param-dtype", help="the parameters' dtype, e.g. float32")
+    model.add_argument("--compute-dtype", help="the matmuls' dtype, e.g. bfloat16")
     return p
+
+
+def _texts(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
+    return values
+
+
+def _counts(text: str) -> list[int]:
+    return [positive(v) for v in _texts(text)]
+
+
+def _knob(text: str) -> tuple[str, list[Any]]:
+    from ..plan._knobs import parse_value
+
+    name, eq, values = text.partition("=")
+    if not eq or not name.strip().isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=V1,V2, e.g. dtype=float32,bfloat16; got {text!r}"
+        )
+    return name.strip(), [parse_value(v) for v in _texts(values)]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -88,6 +161,8 @@ def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     p = parser()
     args = p.parse_args(argv)
+    if (args.tokens is None) != (args.days is None):
+        p.error("--tokens and --days go together")
     from ..plan._accelerator import resolve_accelerator
     from ..plan._devices import has_gpu_compiler, has_tpu_compiler
     from ..plan._layouts import LAYOUTS
@@ -101,8 +176,6 @@ def main(argv: Sequence[str]) -> int:
             f"unknown --accelerator {args.accelerator!r}; choose a preset "
             f"({', '.join(PRESETS)}) or a TPU topology such as v5e:16x16"
         )
-    if (args.tokens is None) != (args.days is None):
-        p.error("--tokens and --days go together")
     layouts = args.layouts.split(",") if args.layouts else None
     if layouts and (wrong := [x for x in layouts if x not in LAYOUTS]):
         p.error(f"unknown --layouts {','.join(wrong)}; choose among {','.join(LAYOUTS)}")
@@ -114,6 +187,8 @@ def main(argv: Sequence[str]) -> int:
         devices = args.devices or 8
     if devices > MAX_DEVICES:
         p.error(f"--devices {devices}: the command plans up to {MAX_DEVICES} devices")
+    space = _space(p, args)  # the options checked before jax starts (or the command reruns)
+    config = None if args.model else _config(p, args, devices)
     compile_only = (accelerator.kind == "tpu" and has_tpu_compiler()) or (
         accelerator.kind == "gpu" and has_gpu_compiler()
     )
@@ -125,56 +200,113 @@ def main(argv: Sequence[str]) -> int:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
-    return _run(args, accelerator if topology is None else args.accelerator, devices, layouts)
+    builder = _user_builder(p, args.model) if args.model else None
+    return _run(
+        args,
+        accelerator if topology is None else args.accelerator,
+        devices,
+        layouts,
+        space,
+        builder,
+        config,
+    )
 
 
-def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any) -> int:
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-    from rich.console import Console
+def _space(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, list[Any]] | None:
+    """The knob space of ``--remat``, ``--microbatches`` and ``--knob``."""
+    space: dict[str, list[Any]] = {}
+    given = [("remat", args.remat), ("microbatches", args.microbatches), *args.knob]
+    for name, values in given:
+        if values is None:
+            continue
+        if name in space:
+            p.error(f"the knob {name!r} is given twice")
+        space[name] = values
+    return space or None
 
-    from ..plan._decoder import CONFIGS, Decoder
-    from ..plan._planner import plan
+
+def _user_builder(p: argparse.ArgumentParser, spec: str) -> Any:
+    """``--model MODULE:NAME``: the builder it names."""
+    import importlib
+
+    module, colon, name = spec.partition(":")
+    if not colon or not module or not name:
+        p.error(f"--model {spec!r}: expected MODULE:NAME, e.g. mypkg.train:build")
+    try:
+        found = importlib.import_module(module)
+    except ImportError as e:
+        p.error(f"--model {spec!r}: cannot import {module!r} ({e})")
+    build = getattr(found, name, None)
+    if not callable(build):
+        p.error(f"--model {spec!r}: {module!r} has no callable {name!r}")
+    return build
+
+
+def _config(p: argparse.ArgumentParser, args: argparse.Namespace, devices: int) -> Any:
+    """The decoder's config with the command's sizes; a size the decoder does not have
+    is an error naming the ones it has."""
+    from ..plan._decoder import CONFIGS
 
     config = CONFIGS[args.config]
-    batch = args.batch or math.lcm(config.batch, devices)
-    config = dataclasses.replace(  # layers scanned: each candidate compiles one layer
-        config, batch=batch, seq_len=args.seq or config.seq_len, scan=True
-    )
+    fields = {f.name for f in dataclasses.fields(config)}
+    wanted = {name: getattr(args, name) for name in DIMENSIONS}
+    wanted |= {"gated": args.gated, "tied": args.tied}
+    wanted |= {"param_dtype": args.param_dtype, "compute_dtype": args.compute_dtype}
+    wanted = {k: v for k, v in wanted.items() if v is not None}
+    if missing := [k for k in wanted if k not in fields]:
+        flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+        p.error(f"{flags}: the decoder has no such size; it has {', '.join(sorted(fields))}")
+    slices = math.lcm(*(args.microbatches or [1]))  # each microbatch split over every device
+    batch = args.batch or math.lcm(config.batch, devices * slices)
+    wanted |= {"batch": batch, "seq_len": args.seq or config.seq_len}
+    if "scan" in fields:  # layers scanned: each candidate compiles one layer
+        wanted["scan"] = True
+    return dataclasses.replace(config, **wanted)
 
-    def build() -> tuple[Decoder, nnx.Optimizer]:
-        model = Decoder(config, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
 
-    with nnx.use_eager_sharding(False):
-        model, optimizer = nnx.eval_shape(build)
-    tokens = jax.ShapeDtypeStruct((config.batch, config.seq_len + 1), jnp.int32)
-    console = Console(width=max(Console().width, 170))  # the table's width
-    console.print(
-        f"planning {config.name} ({config.param_count():,} parameters, batch {config.batch} "
-        f"× {config.seq_len} tokens) for {devices} devices of {args.accelerator}"
-    )
+def _run(
+    args: argparse.Namespace,
+    accelerator: Any,
+    devices: int,
+    layouts: Any,
+    space: dict[str, list[Any]] | None,
+    builder: Any,
+    config: Any,
+) -> int:
+    from rich.console import Console
+
+    from ..plan._decoder import DECODER_RULES
+    from ..plan._search import search
+
+    console = Console(width=max(Console().width, 200))  # the table's width
+    if builder is None:
+        builder = _decoder_builder(config)
+        console.print(
+            f"planning {config.name} ({config.param_count():,} parameters, batch "
+            f"{config.batch} × {config.seq_len} tokens) for {devices} devices of "
+            f"{args.accelerator}"
+        )
+    else:
+        console.print(f"planning {args.model} for {devices} devices of {args.accelerator}")
     try:
-        plans = plan(
-            train_step,
-            model,
-            optimizer,
-            tokens,
+        plans = search(
+            builder,
+            space,
             devices=devices,
             accelerator=accelerator,
             memory_limit=args.memory_limit,
             layouts=layouts,
-            rules=RULES,
+            rules=DECODER_RULES if config is not None else None,
             num_slices=args.num_slices,
             progress=True,
-            donate_argnums=(0, 1),
+            prune=not args.no_prune,
         )
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
-    console.print(plans)
+    console.print(plans.table(pruned=args.all))
+    compiled = sum(p.compiled for p in plans)
+    console.print(f"{compiled} of {len(plans)} plans compiled")
     try:
         best = plans.best
         console.print(f"best: {best!r}")
@@ -183,11 +315,13 @@ def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any)
     if args.plot:
         plans.plot(args.plot)
         console.print(f"plot saved to {args.plot}")
+    if args.json:
+        plans.to_json(args.json)
+        console.print(f"every plan written to {args.json}")
     if args.tokens and args.days:
+        per_step = config.batch * config.seq_len if config is not None else None
         try:
-            sizing = plans.devices_for(
-                args.tokens, args.days, tokens_per_step=config.batch * config.seq_len
-            )
+            sizing = plans.devices_for(args.tokens, args.days, tokens_per_step=per_step)
         except ValueError as e:
             sys.stderr.write(f"{PROG}: error: {e}\n")
             return 2
@@ -195,12 +329,11 @@ def _run(args: argparse.Namespace, accelerator: Any, devices: int, layouts: Any)
     return 0
 
 
-def train_step(model: Any, optimizer: Any, tokens: Any) -> Any:
-    """One adamw step of the decoder's next-token loss; returns the loss."""
-    from flax import nnx
+def _decoder_builder(config: Any) -> Any:
+    """The decoder's builder (`decoder_builder`), declaring the remat policies it takes."""
+    from ..plan._remat import REMAT_POLICIES
+    from ..plan._steps import decoder_builder
 
-    from ..plan._decoder import loss_fn
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
-    optimizer.update(model, grads)
-    return loss
+    build = decoder_builder(config)
+    build.choices = {"remat": list(REMAT_POLICIES)}  # type: ignore[attr-defined]
+    return build

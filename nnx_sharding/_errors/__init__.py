@@ -17,6 +17,7 @@ from ._partial import *  # noqa: F403
 from ._plan import *  # noqa: F403
 from ._plan_hardware import *  # noqa: F403
 from ._prefixes import *  # noqa: F403
+from ._search import *  # noqa: F403
 from ._simple import *  # noqa: F403
 from ._tools import *  # noqa: F403
 from ._transforms import *  # noqa: F403

@@ -86,13 +86,16 @@ def plan_no_candidate_built(reasons: str) -> str:
     return f"plan: no candidate could be built. {reasons}"
 
 
-def plan_nothing_fits(limit: str, closest: str, needs: str, miss: str, miss_bytes: int) -> str:
+def plan_nothing_fits(
+    limit: str, closest: str, needs: str, miss: str, miss_bytes: int, advice: str = ""
+) -> str:
     return (
         f"plan: no layout fits in {limit} per device. The closest is "
         f"{closest}, which needs {needs} per device: "
-        f"{miss} ({miss_bytes:,} bytes) too many. Fixes: 1. plan for more "
-        "devices (devices=...); 2. raise memory_limit if the devices have more memory; "
-        "3. shrink the batch or the model, or donate the state (donate_argnums=...)."
+        f"{miss} ({miss_bytes:,} bytes) too many.{' ' + advice if advice else ''} Fixes: "
+        "1. plan for more devices (devices=...); 2. raise memory_limit if the devices have "
+        "more memory; 3. shrink the batch or the model, or donate the state "
+        "(donate_argnums=...)."
     )
 
 
@@ -111,4 +114,13 @@ def plan_target_unreachable(tokens: float, days: float, tried: str) -> str:
     return (
         f"Plans.devices_for: no device count tried trains {tokens:.3g} tokens in {days:g} "
         f"days ({tried}). Give more days, fewer tokens, or a larger max_devices."
+    )
+
+
+def plan_cannot_replan() -> str:
+    """`Plans.devices_for` on plans that no planner made (built by hand)."""
+    return (
+        "devices_for: these Plans were not made by plan or search, so there is no step to "
+        "plan again at other device counts. Fix: call devices_for on what "
+        "nnx_sharding.plan(...) or nnx_sharding.plan.search(...) returned."
     )

@@ -1,8 +1,10 @@
 """The sharding planner: which layout fits, and which is fastest, for N devices.
 
 `plan` lowers and compiles a step under every candidate layout (data parallel,
-ZeRO-1, FSDP, tensor parallel and the 2-D ones, on every factorisation of N), never
-allocating, and ranks the `Plans` by a written-down cost model on an `Accelerator`.
+ZeRO-1, FSDP, tensor parallel, the 2-D ones and the hybrid ``dp+fsdp`` and
+``dp+fsdp+tp``, on every factorisation of N), never allocating, and ranks the `Plans` by
+a written-down cost model on an `Accelerator`. `search` does so for a step built from
+knob values (`Built`), over a space of them, compiling only what may be fastest.
 
 The built-in decoder (`Decoder`, its `DecoderConfig` and the published models'
 `DECODER_CONFIGS`) and `decoder_builder` give the training step people run, with its
@@ -22,18 +24,21 @@ from ._activations import ACTIVATION_RULES as ACTIVATION_RULES
 from ._activations import constrain as constrain_activation
 from ._attention import attention as causal_attention
 from ._attention import blockwise_attention as blockwise_attention
+from ._built import Built as Built
 from ._cost import Memory as Memory
 from ._cost import Time as Time
 from ._decoder import CONFIGS as DECODER_CONFIGS
 from ._decoder import DECODER_RULES as DECODER_RULES
 from ._decoder import Decoder as Decoder
 from ._decoder import DecoderConfig as DecoderConfig
+from ._knobs import REMAT_ORDER as REMAT_ORDER
 from ._layouts import LAYOUTS as LAYOUTS
 from ._plan import Plan as Plan
-from ._planner import plan as plan
 from ._plans import Plans as Plans
 from ._remat import REMAT_POLICIES as REMAT_POLICIES
 from ._remat import remat_policy as remat_policy
+from ._search import plan as plan
+from ._search import search as search
 from ._steps import accumulate_gradients as accumulate_gradients
 from ._steps import decoder_builder as decoder_builder
 from ._steps import make_train_step as make_train_step
@@ -42,7 +47,7 @@ __all__ = ["LAYOUTS", "PRESETS", "Accelerator", "Memory", "Plan", "Plans", "Time
 __all__ += ["ACTIVATION_RULES", "DECODER_CONFIGS", "DECODER_RULES", "REMAT_POLICIES"]
 __all__ += ["Decoder", "DecoderConfig", "accumulate_gradients", "blockwise_attention"]
 __all__ += ["causal_attention", "constrain_activation", "decoder_builder", "make_train_step"]
-__all__ += ["remat_policy"]
+__all__ += ["remat_policy", "search", "Built", "REMAT_ORDER"]
 
 
 class _CallableModule(types.ModuleType):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 from .._jit import jit
 from .._nodes import Path, is_node
 from .._state_sharding import AtPath, StateSharding
-from . import _flops, _flow, _hlo, _ops
+from . import _capture, _flops, _flow, _hlo, _ops
 from ._cost import Memory, Program, Topology
-from ._layouts import Candidate, data_spec, node_specs
+from ._layouts import Candidate, data_spec, node_specs, order_devices
 from ._plan import Plan, bind
 
 
@@ -44,6 +44,9 @@ class Step:
     originals: tuple[Any, ...] = ()  # the arguments as given (for `Plans.measure`)
     rules: Any = None  # as given to `plan` (for `Plans.devices_for`'s re-planning)
     num_slices: int = 1
+    knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model_flops: float | None = None  # the builder's count, all devices, per step
+    tp_problem: str | None = None  # why no tensor-parallel candidate can be built
 
 
 def abstract_args(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
@@ -125,18 +128,17 @@ def state_bytes(step: Step, candidate: Candidate, specs: Sequence[Any]) -> int:
 
 
 def mesh_in_order(devices: Sequence[Any], shape: dict[str, int]) -> Mesh:
-    """A mesh of ``AxisType.Auto`` axes over ``devices`` in the order given: the planner
-    puts the innermost axes inside a node, which ``jax.make_mesh`` would reorder."""
-    grid = np.array(list(devices)[: math.prod(shape.values())], dtype=object)
+    """A mesh of ``AxisType.Auto`` axes over the first devices node by node
+    (`order_devices`), shaped ``shape``: the innermost axes inside a node, which
+    ``jax.make_mesh`` would reorder."""
+    grid = np.array(order_devices(devices)[: math.prod(shape.values())], dtype=object)
     grid = grid.reshape(tuple(shape.values()))
     return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
 
 
-def compile_candidate(step: Step, candidate: Candidate) -> Plan:
-    """Lowers and compiles ``step`` laid out as ``candidate``; a `Plan` with the
-    measured figures and the predicted time, or with ``reason`` set if it cannot be
-    built (shapes that do not divide, a compiler error)."""
-    specs, problems = in_shardings(step, candidate)
+def listed(step: Step, candidate: Candidate, specs: Any = (), **fields: Any) -> Plan:
+    """A `Plan` of ``candidate`` without the compiler's figures (``fields`` say why)."""
+    n = math.prod(candidate.mesh_shape.values())
     base = {
         "layout": candidate.layout,
         "mesh_shape": dict(candidate.mesh_shape),
@@ -144,37 +146,61 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         "compiler": step.compiler,
         "accelerator": step.accelerator.name,
         "options": step.options,
+        "knobs": dict(step.knobs),
+        "model_flops": None if step.model_flops is None else step.model_flops / n,
+        "step": step.fun,
+        "source": step,
+        "memory": None,
+        "fits": False,
+        "flops": 0.0,
+        "collectives": {},
+        "time": None,
+        "reason": None,
     }
-    failed = {"memory": None, "fits": False, "flops": 0.0, "collectives": {}, "time": None}
+    return Plan(**{**base, **fields})
+
+
+def compile_candidate(step: Step, candidate: Candidate) -> Plan:
+    """Lowers and compiles ``step`` laid out as ``candidate``; a `Plan` with the
+    measured figures and the predicted time, or with ``reason`` set if it cannot be
+    built (shapes that do not divide, a compiler error). The compiler's warnings (while
+    `_capture.capturing`) go into its notes."""
+    specs, problems = in_shardings(step, candidate)
+    if step.tp_problem is not None and "model" in candidate.mesh_shape:
+        return listed(step, candidate, specs, reason=step.tp_problem)
     if problems:
         shown = "; ".join(problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        return Plan(**base, **failed, reason=f"shapes do not divide: {shown}{more}")
+        return listed(step, candidate, specs, reason=f"shapes do not divide: {shown}{more}")
+    state = state_bytes(step, candidate, specs)
     mesh = mesh_in_order(step.devices, dict(candidate.mesh_shape))
     bound = bind(specs, mesh)
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
-    start = time.perf_counter()
+    start, logged = time.perf_counter(), _capture.offset()
     try:
         with jax.set_mesh(mesh):  # the step may constrain its activations to the mesh's axes
             lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - any compiler error is this candidate's reason
         message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        return Plan(**base, **failed, reason=f"could not be compiled: {message}")
+        reason = f"could not be compiled: {message}"
+        return listed(step, candidate, specs, reason=reason, state_bytes=state)
     seconds = time.perf_counter() - start
     notes = list(step.notes)
+    notes += compiler_notes(step.compiler, _capture.since(logged))
     n = math.prod(candidate.mesh_shape.values())
     text = compiled.as_text()
     if text is None:
-        return Plan(**base, **failed, reason=f"{step.compiler} compiler gives no HLO text")
+        reason = f"{step.compiler} compiler gives no HLO text"
+        return listed(step, candidate, specs, reason=reason, state_bytes=state)
     cost = compiled.cost_analysis()  # a dict, or a list of one dict
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
     flops = float((cost or {}).get("flops", 0.0))
-    state = state_bytes(step, candidate, specs)
     stats = compiled.memory_analysis()
     if stats is None:
-        return Plan(**base, **failed, reason=f"{step.compiler} compiler gives no memory_analysis")
+        reason = f"{step.compiler} compiler gives no memory_analysis"
+        return listed(step, candidate, specs, reason=reason, state_bytes=state)
     memory = Memory(
         state=state,
         arguments=int(stats.argument_size_in_bytes),
@@ -217,8 +243,10 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
             f"needs {memory.peak:,} bytes per device, {memory.peak - step.limit:,} more than "
             f"the limit of {step.limit:,}"
         )
-    return Plan(
-        **base,
+    return listed(
+        step,
+        candidate,
+        specs,
         memory=memory,
         fits=fits,
         flops=flops,
@@ -228,8 +256,27 @@ def compile_candidate(step: Step, candidate: Candidate) -> Plan:
         notes=tuple(notes),
         compile_seconds=seconds,
         detail=tuple(found),
+        compiled=True,
+        state_bytes=state,
         program=program,
     )
+
+
+def compiler_notes(
+    compiler: str, lines: Sequence[str], keep: int = 3, width: int = 160
+) -> list[str]:
+    """The compiler's warnings as notes: the first ``keep``, each cut to ``width``
+    characters (the SPMD partitioner's quote whole instructions), and how many more.
+
+    >>> compiler_notes('gpu', ['a' * 200, 'b', 'c', 'd'], width=10)[::3]
+    ['the gpu compiler: aaaaaaaaa…', 'the gpu compiler: and 1 more warning']
+    """
+    cut = [line if len(line) <= width else line[: width - 1] + "…" for line in lines[:keep]]
+    notes = [f"the {compiler} compiler: {line}" for line in cut]
+    if len(lines) > keep:
+        more = len(lines) - keep
+        notes.append(f"the {compiler} compiler: and {more} more warning{'s' * (more > 1)}")
+    return notes
 
 
 def _per_iteration(text: str, flops: float) -> tuple[float, str | None]:

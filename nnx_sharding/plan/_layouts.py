@@ -9,9 +9,15 @@ A layout is a rule per Variable:
 - ``fsdp``: every Variable split over ``fsdp`` on its largest dimension ``fsdp`` divides.
 - ``tp``: the tensor-parallel split over ``model`` (Megatron pairs, see `tp_specs`).
 - ``dp+tp``, ``fsdp+tp``: both, on a 2-D mesh; FSDP takes the largest free dimension.
+- ``dp+fsdp`` (hybrid-sharded data parallelism): FSDP inside each ``data`` group, the
+  groups replicas of each other; ``dp+fsdp+tp`` adds tensor parallelism innermost.
 
 Data arguments (arrays) have their leading dimension split over the data-parallel
 axes (``data``, ``fsdp``); with neither (``tp``) they are replicated.
+
+Mesh axes are in the order ``data``, ``fsdp``, ``model``: the devices are laid out
+node by node (`order_devices`), so the innermost axes sit inside a node (a GPU host, a
+TPU slice) and ``data`` spans the nodes, crossing the slower network once per step.
 """
 
 from __future__ import annotations
@@ -35,8 +41,13 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "tp": ("model",),
     "dp+tp": ("data", "model"),
     "fsdp+tp": ("fsdp", "model"),
+    "dp+fsdp": ("data", "fsdp"),
+    "dp+fsdp+tp": ("data", "fsdp", "model"),
 }
 """Each layout's mesh axes, in mesh order (``model`` innermost: inside a node)."""
+LayoutSpec: TypeAlias = "str | tuple[str, Mapping[str, int]]"
+"""A layout on every split (``'fsdp+tp'``) or one exact candidate
+(``('fsdp+tp', {'fsdp': 16, 'model': 4})``)."""
 DATA_AXES = ("data", "fsdp")
 
 
@@ -53,26 +64,94 @@ class Candidate:
         return f"{self.layout} ({axes})"
 
 
-def candidates(n: int, layouts: Sequence[str] | None = None) -> list[Candidate]:
-    """Every layout on every factorisation of ``n`` devices (2-D layouts: each split
-    ``d × m = n`` with both at least 2); one ``dp`` candidate for a single device.
+def candidates(n: int, layouts: Sequence[LayoutSpec] | None = None) -> list[Candidate]:
+    """Every layout on every split of ``n`` devices, or the exact candidates given.
+
+    A name stands for every split: each axis of a multi-axis layout at least 2 (all
+    ``d × m = n``, and for ``dp+fsdp+tp`` all ``d × f × m = n``: 10 for 64 devices, 28
+    for 512); one ``dp`` candidate for a single device. ``(name, {axis: size})`` is that
+    one candidate (see `exact_candidate`).
 
     >>> [c.label for c in candidates(4, ['dp', 'dp+tp'])]
     ['dp (data=4)', 'dp+tp (data=2×model=2)']
+    >>> [c.label for c in candidates(8, [('dp+fsdp+tp', {'model': 2, 'data': 2, 'fsdp': 2})])]
+    ['dp+fsdp+tp (data=2×fsdp=2×model=2)']
     """
     chosen = list(LAYOUTS) if layouts is None else list(layouts)
-    if n == 1:
-        return [Candidate(chosen[0] if chosen[0] in ("dp", "fsdp") else "dp", {"data": 1})]
+    names = [x if isinstance(x, str) else x[0] for x in chosen]
+    if n == 1 and all(isinstance(x, str) for x in chosen):
+        return [Candidate(names[0] if names[0] in ("dp", "fsdp") else "dp", {"data": 1})]
     out = []
-    for layout in chosen:
-        axes = LAYOUTS[layout]
-        if len(axes) == 1:
-            out.append(Candidate(layout, {axes[0]: n}))
+    for spec in chosen:
+        if not isinstance(spec, str):
+            out.append(exact_candidate(spec, n))
             continue
-        for m in range(2, n // 2 + 1):
-            if n % m == 0:
-                out.append(Candidate(layout, {axes[0]: n // m, axes[1]: m}))
+        axes = LAYOUTS[spec]
+        for sizes in splits(n, len(axes)):
+            out.append(Candidate(spec, dict(zip(axes, sizes, strict=True))))
     return out
+
+
+def splits(n: int, k: int) -> list[tuple[int, ...]]:
+    """Every ``(s1, ..., sk)`` with product ``n``, each at least 2 when ``k > 1``, the
+    innermost (last) growing first.
+
+    >>> splits(8, 2), splits(8, 3), splits(8, 1)
+    ([(4, 2), (2, 4)], [(2, 2, 2)], [(8,)])
+    """
+    if k == 1:
+        return [(n,)]
+    out = []
+    for last in range(2, n // 2 + 1):
+        if n % last == 0:
+            out += [(*rest, last) for rest in splits(n // last, k - 1) if min(rest) >= 2]
+    return out
+
+
+def exact_candidate(spec: Any, n: int) -> Candidate:
+    """``(name, {axis: size, ...})`` as a `Candidate` on ``n`` devices, its axes put in
+    the layout's mesh order.
+
+    Raises:
+      ValueError: an unknown layout, axes other than the layout's, a size that is not a
+        positive integer, or sizes whose product is not ``n``.
+
+    >>> exact_candidate(('fsdp+tp', {'model': 4, 'fsdp': 16}), 64).label
+    'fsdp+tp (fsdp=16×model=4)'
+    """
+    from .. import _errors
+
+    if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], Mapping)):
+        raise ValueError(_errors.plan_bad_layout_spec(spec))
+    name, sizes = spec
+    if name not in LAYOUTS:
+        raise ValueError(_errors.plan_unknown_layouts([name], list(LAYOUTS)))
+    axes = LAYOUTS[name]
+    if set(sizes) != set(axes):
+        raise ValueError(_errors.plan_bad_candidate_axes(name, dict(sizes), axes))
+    bad = {a: s for a, s in sizes.items() if not isinstance(s, int) or isinstance(s, bool)}
+    bad |= {a: s for a, s in sizes.items() if a not in bad and s < 1}
+    if bad or math.prod(sizes.values()) != n:
+        raise ValueError(_errors.plan_bad_candidate_sizes(name, dict(sizes), n))
+    return Candidate(name, {a: sizes[a] for a in axes})
+
+
+def order_devices(devices: Sequence[Any]) -> list[Any]:
+    """``devices`` node by node: by slice (TPU multi-slice), then host, then id. A mesh
+    filled in this order, row-major, puts its innermost axes inside a node and its
+    outermost (``data``) across nodes, as the cost model's node of consecutive devices
+    assumes.
+
+    >>> class D:
+    ...     def __init__(self, id, host): self.id, self.process_index = id, host
+    >>> [d.id for d in order_devices([D(3, 1), D(0, 0), D(2, 1), D(1, 0)])]
+    [0, 1, 2, 3]
+    """
+
+    def key(d: Any) -> tuple[int, int, int]:
+        return (getattr(d, "slice_index", 0) or 0, getattr(d, "process_index", 0), d.id)
+
+    return sorted(devices, key=key)
 
 
 def shard_largest(shape: Sequence[int], spec: Sequence[Any], axis: str, size: int) -> tuple:

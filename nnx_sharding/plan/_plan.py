@@ -18,6 +18,7 @@ from .._state_sharding import StateSharding
 from .._units import format_bytes, format_seconds
 from ._cost import Memory, Time
 from ._hlo import Collective
+from ._layouts import order_devices
 
 Params = ParamSpec("Params")
 R = TypeVar("R")
@@ -32,12 +33,13 @@ class Plan:
     """One layout of a step on ``N`` devices, compiled (never run), measured and costed.
 
     Attributes:
-      layout: ``'dp'``, ``'zero1'``, ``'fsdp'``, ``'tp'``, ``'dp+tp'`` or ``'fsdp+tp'``.
+      layout: a name of `LAYOUTS` (``'dp'``, ``'fsdp'``, ``'dp+fsdp+tp'``, ...).
       mesh_shape: mesh axis name -> size, in mesh order (``model`` innermost).
       in_shardings: one entry per positional argument (see `InShardings`); PartitionSpecs,
         bound to a mesh by `jit`.
       memory: per-device bytes (`Memory`); None if it could not be compiled.
-      fits: whether ``memory.peak`` is within the memory limit.
+      fits: whether ``memory.peak`` is within the memory limit (False where it was
+        not compiled: see `compiled` and `reason`).
       flops: FLOPs per device per step.
       collectives: kind -> bytes per device per step (the full arrays reduced or
         gathered, before any ring factor), kinds named as in HLO.
@@ -50,6 +52,19 @@ class Plan:
       measured: seconds per step measured by `Plans.measure` (None until then).
       program: what the cost model read from the compiled program (`_cost.Program`:
         kernels, collectives, topology), to price it on another `Accelerator`.
+      knobs: the knob values its step was built with (`search`; empty for `plan`).
+      model_flops: the model's FLOPs per device per step, as the builder counted them
+        (``Built.model_flops`` over the devices); None where it gave none.
+      compiled: whether its figures are the compiler's; False for a plan left
+        uncompiled (`pruned`) or that could not be built.
+      pruned: why `search` did not compile it: ``'state'`` (its state alone exceeds the
+        limit), ``'memory'`` (it needs at least what a compiled plan that does not fit
+        needs), ``'time'`` (no faster than a compiled plan, slower than one that fits);
+        None otherwise.
+      state_bytes: per-device bytes of its state from the shardings (no compiler
+        needed); None where its shapes do not divide.
+      pruned_by: the compiled plan that shows it need not be compiled (``pruned``
+        ``'time'`` or ``'memory'``).
     """
 
     layout: str
@@ -69,6 +84,14 @@ class Plan:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     detail: tuple[Collective, ...] = dataclasses.field(default=(), repr=False)
     program: Any = dataclasses.field(default=None, repr=False, compare=False)
+    knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model_flops: float | None = None
+    compiled: bool = False
+    pruned: str | None = None
+    state_bytes: int | None = None
+    step: Callable[..., Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    source: Any = dataclasses.field(default=None, repr=False, compare=False)
+    pruned_by: Plan | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __repr__(self) -> str:
         if self.memory is None or self.time is None:
@@ -86,18 +109,28 @@ class Plan:
 
     @property
     def label(self) -> str:
-        """``'dp+tp (data=2×model=4)'``."""
+        """``'dp+tp (data=2×model=4)'``; with knobs, ``'dp+tp (data=2×model=4;
+        remat=dots, microbatches=2)'``."""
         axes = "×".join(f"{k}={v}" for k, v in self.mesh_shape.items())
-        return f"{self.layout} ({axes})"
+        knobs = "; " + ", ".join(f"{k}={v}" for k, v in self.knobs.items()) if self.knobs else ""
+        return f"{self.layout} ({axes}{knobs})"
+
+    @property
+    def model_tflops_per_device(self) -> float | None:
+        """``model_flops / time.step / 1e12``: the model's useful TFLOP/s per device at
+        the predicted step time (what published runs report); None without either."""
+        if self.model_flops is None or self.time is None or self.time.step <= 0:
+            return None
+        return self.model_flops / self.time.step / 1e12
 
     def mesh(self, devices: Any = None) -> Mesh:
         """A mesh of ``AxisType.Auto`` axes over the first ``N`` devices present (or over
-        ``devices``), shaped by `mesh_shape`.
+        ``devices``), node by node (`order_devices`), shaped by `mesh_shape`.
 
         Raises:
           ValueError: fewer devices than the plan needs, saying how to get them.
         """
-        pool = list(jax.devices() if devices is None else devices)
+        pool = order_devices(jax.devices() if devices is None else devices)
         n = self.devices
         if len(pool) < n:
             raise ValueError(_errors.plan_mesh_too_few_devices(self.label, n, len(pool)))
@@ -110,13 +143,22 @@ class Plan:
         return bind(self.in_shardings, self.mesh() if mesh is None else mesh)
 
     def jit(
-        self, fun: Callable[Params, R], *, mesh: Mesh | None = None, **jit_options: Any
+        self,
+        fun: Callable[Params, R] | None = None,
+        *,
+        mesh: Mesh | None = None,
+        **jit_options: Any,
     ) -> JitWrapped[Params, R]:
         """``nnx_sharding.jit(fun, in_shardings=...)`` laid out as this plan says.
 
-        ``jit_options`` (``donate_argnums``, ...) default to those given to `plan`. Graph
-        nodes' updated state keeps its input sharding; the outputs are left to jax.
+        ``fun`` defaults to the plan's own step (the one `plan` was given, or the one
+        `search`'s builder built for this plan's knobs). ``jit_options``
+        (``donate_argnums``, ...) default to those given to `plan` (or the `Built`'s).
+        Graph nodes' updated state keeps its input sharding; the outputs are left to jax.
         """
+        fun = self.step if fun is None else fun
+        if fun is None:
+            raise TypeError(_errors.plan_jit_no_step(self.label))
         options = {**self.options, **jit_options}
         static = options.get("static_argnums", ())
         static = {static} if isinstance(static, int) else set(static or ())

@@ -1,15 +1,15 @@
-"""`plan`: every candidate layout of a step on N devices, compiled and ranked."""
+"""What `plan` and `search` prepare before compiling: the target (devices, compiler,
+memory limit), the candidates, and the `Step` every candidate of a step shares."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -18,71 +18,48 @@ from .. import _errors
 from .._callpath.argnums import resolve_argnums
 from .._nodes import Path, is_node
 from .._units import format_bytes
-from ._compile import Step, abstract_args, compile_candidate
+from ._accelerator import Accelerator
+from ._compile import Step, abstract_args
 from ._cost import parse_bytes
-from ._layouts import LAYOUTS, Candidate, Rules, candidates, metadata_tp, mirror
-from ._plans import Plans
-
-TP_LAYOUTS = tuple(name for name, axes in LAYOUTS.items() if "model" in axes)
+from ._layouts import LAYOUTS, Candidate, LayoutSpec, Rules, candidates, metadata_tp, mirror
 
 
-def plan(
-    fun: Callable[..., Any],
-    *args: Any,
-    devices: int | Sequence[Any] | None = None,
-    accelerator: Any = "cpu",
-    memory_limit: int | str | None = None,
-    layouts: Sequence[str] | None = None,
-    rules: Rules | None = None,
-    num_slices: int = 1,
-    progress: bool = False,
-    **jit_options: Any,
-) -> Plans:
-    """Compiles ``fun(*args)`` under every candidate layout for N devices and ranks them.
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the plans are for: the devices compiled for, whose compiler, the
+    accelerator costed and the memory limit."""
 
-    Nothing is allocated: each candidate is lowered and compiled with
-    `nnx_sharding.jit` for N devices (compile-only TPUs or GPUs where their plugins are
-    installed, else simulated CPU devices), and costed on ``accelerator``.
+    accelerator: Accelerator
+    topology: str | None
+    devices: Sequence[Any]
+    compiler: str
+    limit: int
+    notes: tuple[str, ...]
+    num_slices: int = 1
 
-    Args:
-      fun: the step, as `nnx_sharding.jit` takes it.
-      *args: its positional arguments, abstract (``nnx.eval_shape``,
-        ``jax.ShapeDtypeStruct``) or concrete. Graph nodes are state; arrays are
-        per-example data, their leading dimension split over the data-parallel axes.
-      devices: how many devices to plan for, or a sequence of devices (default: a TPU
-        topology's chip count, else the devices jax has).
-      accelerator: a preset name (``'h100'``, ``'v5e'``, ...), a TPU topology
-        (``'v5e:16x16'``) or an ``Accelerator``.
-      memory_limit: bytes per device, an int or a string like ``'80GiB'`` (default:
-        the accelerator's memory).
-      layouts: the layouts to try (default: all of `LAYOUTS`).
-      rules: logical axis rules for Variables' sharding metadata (``('mlp', 'model')``);
-        tensor parallelism follows the metadata's ``model`` entries when there are
-        any, else the planner's analysis of the step.
-      num_slices: TPU slices (multi-slice).
-      progress: show a progress bar over the candidates.
-      **jit_options: as `nnx_sharding.jit` takes them (``donate_argnums``, ...).
+    @property
+    def title(self) -> str:
+        """The table's title."""
+        where = (
+            f"{self.accelerator.name}, {self.topology}" if self.topology else self.accelerator.name
+        )
+        return (
+            f"{len(self.devices)} devices ({where}; figures from the {self.compiler} compiler), "
+            f"memory limit {format_bytes(self.limit)} per device"
+        )
 
-    Returns:
-      The ranked `Plans`.
 
-    >>> import jax.numpy as jnp, optax
-    >>> from flax import nnx
-    >>> model = nnx.eval_shape(lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(0)))
-    >>> def step(model, x):
-    ...     return jnp.sum(model(x) ** 2)
-    >>> x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-    >>> plans = plan(step, model, x, devices=2, layouts=['dp', 'fsdp'])
-    >>> sorted(p.layout for p in plans)
-    ['dp', 'fsdp']
-    """
+def resolve_target(
+    devices: int | Sequence[Any] | None,
+    accelerator: Any,
+    memory_limit: int | str | None,
+    num_slices: int,
+) -> Target:
+    """The `Target` of `plan`'s and `search`'s arguments of the same names."""
     from ._accelerator import resolve_accelerator
     from ._devices import compile_devices
 
     accel, topology = resolve_accelerator(accelerator)
-    unknown = [name for name in layouts or () if name not in LAYOUTS]
-    if unknown:
-        raise ValueError(_errors.plan_unknown_layouts(unknown, LAYOUTS))
     limit = accel.hbm_bytes if memory_limit is None else parse_bytes(memory_limit)
     if isinstance(devices, int) or devices is None:
         n = devices if devices is not None else default_device_count(topology, num_slices)
@@ -91,7 +68,36 @@ def plan(
         pool, compiler, note = compile_devices(accel, n, topology, num_slices)
     else:
         pool = list(devices)
-        n, compiler, note = len(pool), pool[0].platform, None
+        compiler, note = pool[0].platform, None
+    return Target(accel, topology, pool, compiler, limit, (note,) if note else (), num_slices)
+
+
+def check_layouts(layouts: Sequence[LayoutSpec] | None, n: int) -> list[Candidate] | None:
+    """``layouts`` validated: the candidates they name (None: every layout's)."""
+    if layouts is None:
+        return None
+    if isinstance(layouts, str):
+        layouts = [layouts]
+    names = [x for x in layouts if isinstance(x, str)]
+    unknown = [name for name in names if name not in LAYOUTS]
+    if unknown:
+        raise ValueError(_errors.plan_unknown_layouts(unknown, LAYOUTS))
+    return candidates(n, layouts)
+
+
+def prepare(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    jit_options: Mapping[str, Any],
+    target: Target,
+    rules: Rules | None,
+    tp_cache: dict[Any, Any] | None,
+) -> Step:
+    """The `Step` every candidate of ``fun(*args)`` shares. ``tp_cache`` keeps the
+    tensor-parallel analysis of each set of Variables (paths, shapes and dtypes), so
+    that steps built for other knob values over the same state are not analysed again
+    (remat and microbatching change the step, not which weights pair); None: no
+    candidate splits over ``model``, nothing to analyse."""
     static, _ = resolve_argnums(
         fun, jit_options.get("static_argnums"), jit_options.get("static_argnames")
     )
@@ -101,62 +107,52 @@ def plan(
         for i, a in enumerate(shapes)
         if i not in static and is_node(a)
     }
-    chosen = candidates(n, layouts)
-    if layouts is None and not _has_optimizer_state(variables):  # zero1 would be dp
-        chosen = [c for c in chosen if c.layout != "zero1"]
+    key = tuple(
+        (i, p, tuple(getattr(v.get_value(), "shape", ())), str(getattr(v.get_value(), "dtype", "")))
+        for i, pairs in variables.items()
+        for p, v in pairs
+    )
     tp: dict[int, dict[Path, P] | None] = {}
     tp_problem = None
-    if any("model" in c.mesh_shape for c in chosen):
-        tp, tp_problem = _tensor_parallel(fun, shapes, static, variables, rules)
-    step = Step(
+    if tp_cache is not None:
+        if key not in tp_cache or tp_cache[key][1] is not None:  # a failure: try this step
+            tp_cache[key] = _tensor_parallel(fun, shapes, static, variables, rules)
+        tp, tp_problem = tp_cache[key]
+    return Step(
         fun=fun,
         args=shapes,
         static=static,
         options=dict(jit_options),
         variables=variables,
         tp=tp,
-        devices=pool,
-        compiler=compiler,
-        accelerator=accel,
+        devices=target.devices,
+        compiler=target.compiler,
+        accelerator=target.accelerator,
         dtype=_dtype(variables),
-        limit=limit,
-        notes=(note,) if note else (),
+        limit=target.limit,
+        notes=target.notes,
         originals=tuple(args),
         rules=rules,
-        num_slices=num_slices,
+        num_slices=target.num_slices,
+        tp_problem=tp_problem,
     )
-
-    def build(candidate: Candidate) -> Any:
-        if tp_problem is not None and "model" in candidate.mesh_shape:
-            return _unbuilt(step, candidate, tp_problem)
-        return compile_candidate(step, candidate)
-
-    # Two candidates at a time: one traces and lowers (Python) while the other compiles.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        pending = [pool.submit(build, candidate) for candidate in chosen]
-        try:
-            shown = zip(_progress(chosen, progress), pending, strict=True)
-            plans = [future.result() for _, future in shown]
-        except BaseException:  # an interrupt or an error: start no other candidate
-            for future in pending:
-                future.cancel()
-            raise
-    where = f"{accel.name}, {topology}" if topology else accel.name
-    title = (
-        f"{n} devices ({where}; figures from the {compiler} compiler), "
-        f"memory limit {format_bytes(limit)} per device"
-    )
-    return Plans(plans, step, title)
 
 
 def default_device_count(topology: str | None, num_slices: int) -> int:
+    """The devices planned for when not given: a TPU topology's chips, else jax's."""
     if topology:
         dims = re.findall(r"\d+", topology.split(":", 1)[1])
         return math.prod(int(d) for d in dims) * num_slices
     return jax.device_count()
 
 
-def _has_optimizer_state(variables: dict[int, list[tuple[Path, nnx.Variable]]]) -> bool:
+def has_optimizer_state(step: Step) -> bool:
+    """Whether any Variable of ``step`` is non-scalar optimizer state (else ``zero1``
+    is ``dp``)."""
+    return _has_optimizer_state(step.variables)
+
+
+def _has_optimizer_state(variables: dict[int, list[tuple[Path, nnx.Variable[Any]]]]) -> bool:
     return any(
         isinstance(v, nnx.OptState) and len(getattr(v.get_value(), "shape", ())) > 0
         for pairs in variables.values()
@@ -164,13 +160,13 @@ def _has_optimizer_state(variables: dict[int, list[tuple[Path, nnx.Variable]]]) 
     )
 
 
-def _dtype(variables: dict[int, list[tuple[Path, nnx.Variable]]]) -> str:
+def _dtype(variables: dict[int, list[tuple[Path, nnx.Variable[Any]]]]) -> str:
     """The dtype holding the most bytes of floating-point state (the step's matmuls')."""
     totals: dict[str, int] = {}
     for pairs in variables.values():
         for _, var in pairs:
             v = var.get_value()
-            if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, np.floating):
+            if hasattr(v, "dtype") and jax.dtypes.issubdtype(v.dtype, np.floating):
                 name = np.dtype(v.dtype).name
                 totals[name] = totals.get(name, 0) + math.prod(v.shape) * v.dtype.itemsize
     return max(totals, key=totals.__getitem__) if totals else "float32"
@@ -180,7 +176,7 @@ def _tensor_parallel(
     fun: Callable[..., Any],
     args: tuple[Any, ...],
     static: frozenset[int],
-    variables: dict[int, list[tuple[Path, nnx.Variable]]],
+    variables: dict[int, list[tuple[Path, nnx.Variable[Any]]]],
     rules: Rules | None,
 ) -> tuple[dict[int, dict[Path, P] | None], str | None]:
     """Tensor-parallel specs per graph-node argument: from the Variables' metadata when
@@ -189,7 +185,7 @@ def _tensor_parallel(
     found = metadata_tp(every, rules)
     if found is None:
         try:
-            from ._jaxpr_analysis import tensor_parallel_specs
+            from ._tensor_parallel import tensor_parallel_specs
         except ImportError:  # pragma: no cover - the analysis ships with the planner
             return {}, "the tensor-parallel analysis is not available"
         dynamic = [i for i in range(len(args)) if i not in static]
@@ -210,35 +206,3 @@ def _tensor_parallel(
     if not any("model" in tuple(s) for s in found.values()):
         return {}, "no weight to split over 'model' (no matmul pairs, no sharding metadata)"
     return {i: mirror(found, pairs) for i, pairs in variables.items()}, None
-
-
-def _unbuilt(step: Step, candidate: Candidate, reason: str) -> Any:
-    from ._plan import Plan
-
-    return Plan(
-        layout=candidate.layout,
-        mesh_shape=dict(candidate.mesh_shape),
-        in_shardings=(),
-        memory=None,
-        fits=False,
-        flops=0.0,
-        collectives={},
-        time=None,
-        reason=reason,
-        compiler=step.compiler,
-        accelerator=step.accelerator.name,
-    )
-
-
-def _progress(items: list[Candidate], show: bool) -> Any:
-    if not show:
-        yield from items
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task("compiling candidates", total=len(items))
-        for item in items:
-            bar.update(task, description=f"compiling {item.label}")
-            yield item
-            bar.advance(task)

@@ -7,7 +7,7 @@ import dataclasses
 import io
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import jax
@@ -39,25 +39,51 @@ _SHORT = {
 
 def rank(plans: Sequence[Plan]) -> list[Plan]:
     """Plans that fit first, by predicted step time (ties: by the unoverlapped time,
-    then peak memory); then the others by peak memory; those not built last."""
+    then peak memory); then the others compiled, by peak memory; then those left
+    uncompiled as no faster than one that fits, then those uncompiled as not fitting
+    (by their state); those not built last."""
+    order = {"time": 2, "memory": 3, "state": 3}
 
     def key(p: Plan) -> tuple[Any, ...]:
         if p.fits and p.time is not None:
             return (0, p.time.step, p.time.serial, p.memory.peak if p.memory else 0)
         if p.memory is not None:
             return (1, p.memory.peak, 0.0, 0)
-        return (2, 0.0, 0.0, 0)
+        if p.pruned is not None:
+            return (order[p.pruned], p.state_bytes or 0, 0.0, 0)
+        return (4, 0.0, 0.0, 0)
 
     return sorted(plans, key=key)
 
 
 class Plans(Sequence[Plan]):
-    """The compiled candidates, ranked (see `rank`); ``print(plans)`` shows `table`."""
+    """The candidates, ranked (see `rank`); ``print(plans)`` shows `table`.
 
-    def __init__(self, plans: Sequence[Plan], step: Step, title: str):
+    Attributes:
+      title: the table's title (devices, accelerator, compiler, memory limit).
+      advice: when no plan fits, the plans `search` compiled beyond its space (more
+        remat, more microbatches) to say what would fit; not ranked with the others.
+      space: the knob space searched (None for `plan`).
+    """
+
+    def __init__(
+        self,
+        plans: Sequence[Plan],
+        step: Step,
+        title: str,
+        *,
+        advice: Sequence[Plan] = (),
+        space: Mapping[str, Sequence[Any]] | None = None,
+        planner: Callable[..., Plans] | None = None,
+    ):
+        """``planner``: `plan` itself, which `devices_for` calls again at other device
+        counts (given by the planner, which this module cannot import: it imports this)."""
+        self._planner = planner
         self._plans = rank(plans)
         self._step = step
         self.title = title
+        self.advice = tuple(advice)
+        self.space = space
 
     @overload
     def __getitem__(self, i: int) -> Plan: ...
@@ -82,11 +108,23 @@ class Plans(Sequence[Plan]):
         """The fastest plan that fits.
 
         Raises:
-          ValueError: none fits; names the closest plan and by how much it misses.
+          ValueError: none fits; names the closest plan, by how much it misses and,
+            after `search`, the knob values with which it was compiled and fits (see
+            `advice`).
         """
         if self._plans and self._plans[0].fits:
             return self._plans[0]
         built = [(p.memory.peak, p) for p in self._plans if p.memory is not None]
+        too_big = [p for p in self._plans if p.pruned == "state" and p.state_bytes]
+        if not built and too_big:
+            smallest = min(too_big, key=lambda p: p.state_bytes or 0)
+            raise ValueError(
+                _errors.plan_nothing_fits_state(
+                    format_bytes(self.limit),
+                    smallest.label,
+                    format_bytes(smallest.state_bytes or 0),
+                )
+            )
         if not built:
             reasons = "; ".join(f"{p.label}: {p.reason}" for p in self._plans[:3])
             more = len(self._plans) - 3
@@ -101,16 +139,48 @@ class Plans(Sequence[Plan]):
                 format_bytes(peak),
                 format_bytes(miss),
                 miss,
+                self._advice(),
             )
         )
 
-    def table(self) -> Table:
-        """The ranked plans as a rich table."""
+    def _advice(self) -> str:
+        """What `advice` shows, in a sentence ('' without any)."""
+        fitting = [p for p in self.advice if p.fits and p.memory is not None]
+        if fitting:
+            p = fitting[0]
+            return (
+                f"Compiled beyond the space searched, {p.label} fits, needing "
+                f"{format_bytes(p.memory.peak)} per device: search "
+                f"{', '.join(f'{k}={v!r}' for k, v in p.knobs.items())}."
+            )
+        built = [p for p in self.advice if p.memory is not None]
+        if built:
+            p = min(built, key=lambda p: p.memory.peak)  # type: ignore[union-attr]
+            return (
+                f"Compiled beyond the space searched, the lightest, {p.label}, still "
+                f"needs {format_bytes(p.memory.peak)} per device."
+            )
+        return ""
+
+    def table(self, pruned: bool = True) -> Table:
+        """The ranked plans as a rich table; with ``pruned=False``, the plans `search`
+        left uncompiled (``Plan.pruned``) are counted in the caption instead of shown.
+
+        Columns for knobs (`search`), whether a row was ``compiled`` (when `search` left
+        some uncompiled: their figures are blank, never estimated) and the model's
+        TFLOP/s per device (when the builder counted the model's FLOPs) are added when
+        they say something."""
+        shown = [p for p in self._plans if pruned or p.pruned is None]
+        hidden = len(self._plans) - len(shown)
+        knobs = any(p.knobs for p in self._plans)
+        marks = any(p.pruned is not None for p in self._plans)
+        model = any(p.model_flops is not None for p in self._plans)
+        measured = any(p.measured is not None for p in self._plans)
+        names = list(dict.fromkeys(k for p in self._plans for k in p.knobs))
         table = Table(title=self.title)
-        for name, justify in (
-            ("#", "right"),
-            ("layout", "left"),
-            ("mesh", "left"),
+        columns = [("#", "right"), ("layout", "left"), ("mesh", "left")]
+        columns += [(", ".join(names), "left")] * knobs + [("compiled", "left")] * marks
+        columns += [
             ("peak/device", "right"),
             ("state", "right"),
             ("temp", "right"),
@@ -121,29 +191,29 @@ class Plans(Sequence[Plan]):
             ("step", "right"),
             ("range", "right"),
             ("no overlap", "right"),
-        ):
+        ]
+        columns += [("model TFLOP/s/device", "right")] * model
+        columns += [("measured", "right")] * measured + [("fits / why not", "left")]
+        for name, justify in columns:
             table.add_column(name, justify=justify)  # type: ignore[arg-type]
-        measured = any(p.measured is not None for p in self._plans)
         built = [p for p in self._plans if p.memory is not None]
         common = [n for n in built[0].notes if all(n in p.notes for p in built)] if built else []
-        if measured:
-            table.add_column("measured", justify="right")
-        table.add_column("fits / why not")
-        for i, p in enumerate(self._plans, 1):
+        rows = {id(p): i for i, p in enumerate(shown, 1)}
+        for i, p in enumerate(shown, 1):
             mesh = "×".join(f"{k}={v}" for k, v in p.mesh_shape.items())
+            head = [str(i), p.layout, mesh]
+            head += [", ".join(str(p.knobs.get(k, "")) for k in names)] * knobs
+            head += ["yes" if p.compiled else "no"] * marks
             if p.memory is None or p.time is None:
-                row = [str(i), p.layout, mesh] + [""] * 10 + ([""] if measured else [])
-                table.add_row(*row, f"[red]{escape(str(p.reason))}[/red]")
+                blank = [""] * (len(columns) - len(head) - 1)
+                table.add_row(*head, *blank, f"[red]{escape(_why(p, rows))}[/red]")
                 continue
             comms = ", ".join(
                 f"{_SHORT[k]} {format_bytes(p.collectives[k])}"
                 for k in KINDS
                 if p.collectives.get(k)
             )
-            row = [
-                str(i),
-                p.layout,
-                mesh,
+            row = head + [
                 format_bytes(p.memory.peak),
                 format_bytes(p.memory.state),
                 format_bytes(p.memory.temp),
@@ -155,6 +225,9 @@ class Plans(Sequence[Plan]):
                 f"{format_seconds(p.time.step_low)}-{format_seconds(p.time.step_high)}",
                 format_seconds(p.time.serial),
             ]
+            if model:
+                tflops = p.model_tflops_per_device
+                row.append(f"{tflops:.3g}" if tflops is not None else "")
             if measured:
                 row.append(format_seconds(p.measured) if p.measured is not None else "")
             status = "[green]yes[/green]" if p.fits else f"[red]no: {escape(str(p.reason))}[/red]"
@@ -162,9 +235,42 @@ class Plans(Sequence[Plan]):
             if extra:
                 status += escape(" (" + "; ".join(extra) + ")")
             table.add_row(*row, status)
-        if common:
-            table.caption = escape("; ".join(common))
+        caption = list(common)
+        if hidden:
+            caption.append(f"{hidden} plans left uncompiled are not shown (to_json lists them)")
+        if caption:
+            table.caption = escape("; ".join(caption))
         return table
+
+    def to_json(self, path: str | None = None) -> str:
+        """Every plan (and the `advice`) as JSON text, also written to ``path`` if given.
+
+        Per plan: ``layout``, ``mesh_shape``, ``knobs``, ``compiled``, ``pruned``,
+        ``fits`` (null where it was not compiled, but for a state above the limit),
+        ``reason``, ``compiler``,
+        ``memory`` (``state``, ``arguments``, ``outputs``, ``alias``, ``temp``,
+        ``peak``: bytes per device, the compiler's; only ``state``, from the shardings,
+        where it was not compiled), ``flops`` (per device per step), ``collectives``
+        (kind -> bytes), ``time`` (``compute``, ``memory``, ``comms``, ``exposed``,
+        ``step``, ``serial``: seconds, predicted from the compiler's figures),
+        ``model_flops`` (per device per step, counted from the model),
+        ``model_tflops_per_device`` (``model_flops / time.step / 1e12``), ``notes`` and
+        ``compile_seconds``.
+        """
+        import json
+
+        document = {
+            "title": self.title,
+            "memory_limit": self.limit,
+            "space": None if self.space is None else {k: list(v) for k, v in self.space.items()},
+            "plans": [plan_json(p) for p in self._plans],
+            "advice": [plan_json(p) for p in self.advice],
+        }
+        text = json.dumps(document, indent=1, default=str)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
 
     def __rich__(self) -> Table:
         return self.table()
@@ -234,8 +340,9 @@ class Plans(Sequence[Plan]):
         chosen = [p for p in self._plans if p.fits][:k]
         for plan in chosen:
             mesh = plan.mesh()
-            args = materialise(self._step, plan, mesh)
-            fn = plan.jit(self._step.fun, mesh=mesh)
+            step = plan.source if plan.source is not None else self._step
+            args = materialise(step, plan, mesh)
+            fn = plan.jit(step.fun, mesh=mesh)
             jax.block_until_ready(fn(*args))
             times = []
             for _ in range(steps):
@@ -268,7 +375,8 @@ class Plans(Sequence[Plan]):
             for p in self._plans
         ]
         step = dataclasses.replace(self._step, accelerator=accelerator)
-        return Plans(plans, step, self.title.replace(self._step.accelerator.name, accelerator.name))
+        title = self.title.replace(self._step.accelerator.name, accelerator.name)
+        return Plans(plans, step, title, planner=self._planner)
 
     def devices_for(
         self,
@@ -287,8 +395,9 @@ class Plans(Sequence[Plan]):
         Raises:
           ValueError: no count tried up to ``max_devices`` meets the target.
         """
-        from ._planner import plan
-
+        plan = self._planner
+        if plan is None:
+            raise ValueError(_errors.plan_cannot_replan())
         step = self._step
         layouts = sorted({p.layout for p in self._plans})
 
@@ -310,6 +419,50 @@ def _point(plan: Plan) -> tuple[int, float]:
     if plan.memory is None or plan.time is None:
         raise ValueError(f"{plan.label} has no figures to plot: {plan.reason}")
     return plan.memory.peak, plan.time.step * 1e3
+
+
+def _why(p: Plan, rows: Mapping[int, int]) -> str:
+    """A row's reason, short where it was pruned (the plan that shows it by row)."""
+    by = rows.get(id(p.pruned_by)) if p.pruned_by is not None else None
+    if p.pruned == "time" and by is not None:
+        return f"not compiled: no faster than #{by}" + (", which fits" if p.pruned_by.fits else "")  # type: ignore[union-attr]
+    if p.pruned == "memory" and by is not None:
+        return f"not compiled, does not fit: needs at least #{by}'s memory"
+    if p.pruned == "state" and p.state_bytes is not None:
+        return f"not compiled, does not fit: its state alone is {format_bytes(p.state_bytes)}"
+    return str(p.reason)
+
+
+def plan_json(p: Plan) -> dict[str, Any]:
+    """One plan as `Plans.to_json` writes it."""
+    memory: dict[str, Any] = {"state": p.state_bytes, "temp": None, "peak": None}
+    if p.memory is not None:
+        memory = {**dataclasses.asdict(p.memory), "peak": p.memory.peak}
+    time_: dict[str, Any] | None = None
+    if p.time is not None:
+        time_ = {**dataclasses.asdict(p.time), "step": p.time.step, "serial": p.time.serial}
+        for extra in ("step_low", "step_high"):  # where the cost model gives a range
+            if hasattr(p.time, extra):
+                time_[extra] = getattr(p.time, extra)
+    return {
+        "layout": p.layout,
+        "mesh_shape": dict(p.mesh_shape),
+        "knobs": dict(p.knobs),
+        "compiled": p.compiled,
+        "pruned": p.pruned,
+        "fits": None if p.pruned in ("time", "memory") else p.fits,  # inferred: unknown
+        "reason": p.reason,
+        "compiler": p.compiler,
+        "accelerator": p.accelerator,
+        "memory": memory,
+        "flops": p.flops if p.compiled else None,
+        "collectives": dict(p.collectives),
+        "time": time_,
+        "model_flops": p.model_flops,
+        "model_tflops_per_device": p.model_tflops_per_device,
+        "notes": list(p.notes),
+        "compile_seconds": p.compile_seconds,
+    }
 
 
 def pareto(plans: Sequence[Plan]) -> list[Plan]:

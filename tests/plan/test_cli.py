@@ -88,3 +88,119 @@ def test_tokens_and_days_size_the_run_in_devices(capfd):
     assert main([*argv, "--batch", "8", "--tokens", "1e8", "--days", "1"]) == 0
     out = capfd.readouterr().out
     assert "1e+08 tokens in 1 days: 2 devices: dp (data=2)" in out
+
+
+# --- the search: knobs, your own builder, JSON -------------------------------------------
+
+
+def test_searches_the_decoders_microbatches_and_writes_every_plan_as_json(capsys, tmp_path):
+    import dataclasses
+    import json
+
+    from nnx_sharding.plan._decoder import CONFIGS
+
+    path = tmp_path / "plans.json"
+    argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "dp"]
+    status = main([*argv, "--microbatches", "1,2", "--d-model", "64", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    config = dataclasses.replace(CONFIGS["tiny"], d_model=64)
+    # the default batch: every microbatch of it splits over the 8 devices
+    assert f"planning tiny ({config.param_count():,} parameters, batch 16 × 64" in out
+    assert "microbatches" in out and "TFLOP/s/device" in out
+    assert f"every plan written to {path}" in out
+    plans = json.loads(path.read_text())["plans"]
+    assert sorted(p["knobs"]["microbatches"] for p in plans) == [1, 2]
+    # MaxText's count: 6 per parameter per token, and causal attention (DecoderConfig)
+    n, tokens = config.param_count(), 16 * 64
+    attention = 6 * config.heads * config.layers * config.head_dim * 64**2 * 16
+    for p in plans:
+        assert p["model_flops"] == (6 * n * tokens + attention) / 8  # per device of 8
+        if p["compiled"]:
+            assert p["model_tflops_per_device"] == p["model_flops"] / p["time"]["step"] / 1e12
+
+
+def test_plans_your_own_builder_over_its_knobs(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_builder.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from flax import nnx\n"
+        "from nnx_sharding.plan import Built\n"
+        "def build(knobs):\n"
+        "    model = nnx.eval_shape(lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(0)))\n"
+        "    x = jax.ShapeDtypeStruct((8 * knobs['scale'], 16), jnp.float32)\n"
+        "    return Built(lambda m, x: jnp.sum(m(x) ** 2), (model, x))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "plans.json"
+    argv = ["--model", "my_builder:build", "--knob", "scale=1,2", "--devices", "8"]
+    status = main([*argv, "--accelerator", "cpu", "--layouts", "dp", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "planning my_builder:build for 8 devices of cpu" in out
+    import json
+
+    plans = json.loads(path.read_text())["plans"]
+    assert sorted(p["knobs"]["scale"] for p in plans) == [1, 2]
+    assert all(p["fits"] and p["compiled"] for p in plans)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--model", "nothing_here:build"], "--model 'nothing_here:build': cannot import"),
+        (["--model", "build"], "--model 'build': expected MODULE:NAME"),
+        (["--model", "json:nothing"], "--model 'json:nothing': 'json' has no callable 'nothing'"),
+        (["--knob", "=3"], "expected NAME=V1,V2"),
+        (["--microbatches", "1,0"], "expected a positive integer, got '0'"),
+        (["--remat", "none", "--knob", "remat=full"], "the knob 'remat' is given twice"),
+    ],
+)
+def test_a_bad_search_option_is_one_line_and_status_2(option, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--devices", "8", "--accelerator", "cpu", *option])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m nnx_sharding plan: error:") and message in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--microbatches", "3", "--batch", "8"],
+         "microbatches=3 does not divide the batch of 8; choose among 1, 2, 4, 8"),
+        (["--remat", "fulll"], "remat='fulll' is not a value the builder takes"),
+    ],
+)  # fmt: skip
+def test_a_knob_value_the_decoder_refuses_is_one_line_and_status_2(option, message, capsys):
+    argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "dp"]
+    assert main([*argv, *option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m nnx_sharding plan: error:") and message in err
+    assert err.count("\n") == 1
+
+
+def test_a_size_the_decoder_lacks_names_the_ones_it_has(capsys):
+    import dataclasses
+
+    from nnx_sharding.plan._decoder import CONFIGS
+
+    if "kv_heads" in {f.name for f in dataclasses.fields(CONFIGS["tiny"])}:
+        pytest.skip("this decoder has kv_heads")
+    with pytest.raises(SystemExit):
+        main(["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--kv-heads", "2"])
+    err = capsys.readouterr().err
+    assert "--kv-heads: the decoder has no such size; it has batch, d_model" in err
+
+
+def test_when_nothing_fits_the_command_says_which_microbatches_would(capsys):
+    """The decoder at batch 64 needs ~29.5 MB per device with fsdp at one microbatch,
+    ~16 MB with 2, ~9.3 MB with 4 (the CPU compiler): under a 12 MB limit, the command
+    compiles more microbatches than it was asked for, and names 4 (this decoder takes no
+    remat policy but 'none': that one is skipped)."""
+    argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "fsdp"]
+    assert main([*argv, "--batch", "64", "--memory-limit", "12000000"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "plan: no layout fits in 11.44 MiB per device. The closest is fsdp (fsdp=8)" in out
+    assert "Compiled beyond the space searched, fsdp (fsdp=8; microbatches=4) fits" in out
+    assert "search microbatches=4." in out

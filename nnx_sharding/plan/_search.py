@@ -1,0 +1,439 @@
+"""`search`: every candidate layout of a step built from knob values, over a space of
+knob values, ranked together; most points proven not to be the fastest that fits
+without being compiled.
+
+Before compiling, a candidate is listed and not compiled when its shapes do not divide
+or its state alone (exact, from the shardings) exceeds the memory limit. The others are
+compiled in the order `Schedule` gives, which leaves uncompiled what a compiled point
+shows cannot be the fastest plan that fits (see `_schedule` for the two rules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any
+
+import jax
+
+from .. import _errors
+from .._units import format_bytes, format_seconds
+from ._built import Built
+from ._capture import capturing
+from ._compile import Step, compile_candidate, in_shardings, listed, state_bytes
+from ._knobs import Reads, check_microbatches, extensions, label, points, rank
+from ._layouts import DATA_AXES, Candidate, LayoutSpec, Rules, candidates
+from ._plan import Plan
+from ._planner import Target, check_layouts, has_optimizer_state, prepare, resolve_target
+from ._plans import Plans
+from ._schedule import Outcome, Schedule
+
+Builder = Callable[[Mapping[str, Any]], "Built | tuple[Callable[..., Any], tuple[Any, ...]]"]
+ADVICE_COMPILES = 6
+"""At most this many extra points are compiled to say what would fit when nothing does."""
+
+
+def search(
+    build: Builder,
+    space: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    devices: int | Sequence[Any] | None = None,
+    accelerator: Any = "cpu",
+    memory_limit: int | str | None = None,
+    layouts: Sequence[LayoutSpec] | None = None,
+    rules: Rules | None = None,
+    num_slices: int = 1,
+    progress: bool = False,
+    prune: bool = True,
+) -> Plans:
+    """Plans the step ``build`` makes at every point of ``space`` under every candidate
+    layout, ranked together; compiles only what may be the fastest plan that fits.
+
+    ``build(knobs)`` returns a `Built` (or a ``(step, args)`` tuple) for one point,
+    ``knobs`` a mapping such as ``{'remat': 'dots', 'microbatches': 4}``; it is called
+    once per point, before anything compiles (so a value it refuses fails at once). A
+    builder may declare the values it takes as ``build.choices = {'remat': [...]}``.
+
+    Uncompiled, listed with the reason (and ``Plan.pruned``): a candidate whose state
+    alone exceeds the memory limit (exact); a point needing at least the memory of a
+    compiled point that does not fit (more ``remat`` or ``microbatches`` needs no more
+    memory: ``'memory'``); a point no faster than a compiled point that is no faster
+    than the fastest plan that fits (more ``remat`` or ``microbatches`` is no faster:
+    ``'time'``). From 1 to 2 microbatches is not taken to save memory (the gradients
+    accumulated can outweigh the activations halved). ``prune=False`` compiles every
+    point. When nothing fits, `Plans.best` names what would: before it says so, the
+    planner compiles the closest candidates with more ``remat`` and ``microbatches``
+    than the space holds (for the knobs the builder reads).
+
+    Args:
+      build: the builder (see `Built`).
+      space: knob name -> the values to try (default: the builder's defaults alone).
+      devices, accelerator, memory_limit, layouts, rules, num_slices, progress: as
+        `plan` takes them.
+      prune: leave uncompiled the points shown not to be the fastest that fits.
+
+    Returns:
+      The `Plans` of every (candidate, knob point), ranked together.
+
+    Raises:
+      ValueError: a space that is not names to values, a knob the builder never reads,
+        a value it refuses, or a ``microbatches`` that does not divide the batch.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> def build(knobs):
+    ...     model = nnx.eval_shape(lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(0)))
+    ...     x = jax.ShapeDtypeStruct((8 * knobs['scale'], 16), jnp.float32)
+    ...     return Built(lambda m, x: jnp.sum(m(x) ** 2), (model, x))
+    >>> plans = search(build, {'scale': [1, 2]}, devices=2, layouts=['dp'])
+    >>> sorted(p.knobs['scale'] for p in plans)
+    [1, 2]
+    """
+    return explore(
+        build,
+        space,
+        devices=devices,
+        accelerator=accelerator,
+        memory_limit=memory_limit,
+        layouts=layouts,
+        rules=rules,
+        num_slices=num_slices,
+        progress=progress,
+        prune=prune,
+    )
+
+
+def explore(
+    build: Builder,
+    space: Mapping[str, Sequence[Any]] | None,
+    *,
+    devices: int | Sequence[Any] | None,
+    accelerator: Any,
+    memory_limit: int | str | None,
+    layouts: Sequence[LayoutSpec] | None,
+    rules: Rules | None,
+    num_slices: int,
+    progress: bool,
+    prune: bool,
+) -> Plans:
+    """`search`'s work (`plan` is one point of it, ``prune=False``)."""
+    knob_points = points(space)
+    target = resolve_target(devices, accelerator, memory_limit, num_slices)
+    given = check_layouts(layouts, len(target.devices))
+    chosen = candidates(len(target.devices)) if given is None else given
+    # the tensor-parallel analysis traces the step: only when a candidate needs it
+    tp_cache: dict[Any, Any] | None = {} if any("model" in c.mesh_shape for c in chosen) else None
+    reads: set[str] = set()
+    steps = [make_step(build, p, target, rules, tp_cache, reads) for p in knob_points]
+    unread = [name for name in space or () if name not in reads]
+    if unread:
+        raise ValueError(_errors.search_unread_knobs(unread, sorted(reads)))
+    if given is None and not has_optimizer_state(steps[0]):  # zero1 would be dp
+        chosen = [c for c in chosen if c.layout != "zero1"]
+    units = [(c, p) for c in range(len(chosen)) for p in range(len(steps))]
+    early = {}
+    for i, (c, p) in enumerate(units):
+        found = precheck(steps[p], chosen[c], prune)
+        if found is not None:
+            early[i] = found
+    ranks = [rank(knob_points[p]) for _, p in units]
+    schedule = Schedule(
+        [((c, ranks[i].group), ranks[i]) for i, (c, _) in enumerate(units)],
+        target.limit,
+        prune=prune,
+        excluded=early,
+    )
+    compiled = drive(schedule, [(steps[p], chosen[c]) for c, p in units], progress)
+    plans = []
+    for i, (c, p) in enumerate(units):
+        if i in early:
+            plans.append(early[i])
+        elif i in compiled:
+            plans.append(compiled[i])
+        else:
+            plans.append(_pruned(schedule, i, steps[p], chosen[c], compiled))
+    advice: list[Plan] = []
+    if prune and not any(p.fits for p in plans) and reads & {"remat", "microbatches"}:
+        advice = advise(build, plans, target, rules, tp_cache, reads)
+    return Plans(plans, steps[0], target.title, advice=advice, space=space, planner=plan)
+
+
+def make_step(
+    build: Builder,
+    knobs: Mapping[str, Any],
+    target: Target,
+    rules: Rules | None,
+    tp_cache: dict[Any, Any] | None,
+    reads: set[str],
+) -> Step:
+    """The `Step` that ``build`` makes for ``knobs``, the knob names it read added to
+    ``reads`` (``tp_cache`` None: no tensor-parallel analysis, see `prepare`)."""
+    choices = getattr(build, "choices", None)
+    if isinstance(choices, Mapping):
+        for name, value in knobs.items():
+            allowed = choices.get(name)
+            if allowed is not None and value not in allowed:
+                raise ValueError(_errors.search_bad_knob_value(name, value, list(allowed)))
+    seen: set[str] = set()
+    try:
+        built = build(Reads(knobs, seen))
+    except Exception as e:
+        raise ValueError(_errors.search_builder_failed(label(knobs), e)) from e
+    reads |= seen
+    if isinstance(built, tuple) and len(built) == 2 and callable(built[0]):
+        built = Built(built[0], tuple(built[1]))
+    if not isinstance(built, Built):
+        raise TypeError(_errors.search_bad_built(label(knobs), built))
+    step = prepare(built.step, built.args, built.jit_options, target, rules, tp_cache)
+    check_microbatches(knobs, batch_of(step))
+    return dataclasses.replace(step, knobs=dict(knobs), model_flops=built.model_flops)
+
+
+def batch_of(step: Step) -> int | None:
+    """The leading dimension of the step's first data argument (None without one)."""
+    for i, arg in enumerate(step.args):
+        if i in step.static or i in step.variables:
+            continue
+        for leaf in jax.tree.leaves(arg):
+            if len(getattr(leaf, "shape", ())) > 0:
+                return int(leaf.shape[0])
+    return None
+
+
+def data_parallel(candidate: Candidate) -> int:
+    """The devices the batch is split over."""
+    return math.prod(candidate.mesh_shape.get(a, 1) for a in DATA_AXES)
+
+
+def precheck(step: Step, candidate: Candidate, prune: bool) -> Plan | None:
+    """``candidate``'s plan when it is listed without compiling (shapes that do not
+    divide, no tensor-parallel split, and with ``prune`` a state above the limit)."""
+    specs, problems = in_shardings(step, candidate)
+    if step.tp_problem is not None and "model" in candidate.mesh_shape:
+        return listed(step, candidate, specs, reason=step.tp_problem)
+    count, batch, size = step.knobs.get("microbatches"), batch_of(step), data_parallel(candidate)
+    if count and batch and not problems and (batch // count) % size:
+        named = ",".join(
+            f"{a}={candidate.mesh_shape[a]}" for a in DATA_AXES if a in candidate.mesh_shape
+        )
+        problems.append(
+            f"a microbatch of {batch // count} (batch {batch} / microbatches={count}) is not "
+            f"divisible by the data-parallel axes {named} ({size})"
+        )
+    if problems:
+        shown = "; ".join(problems[:3])
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        return listed(step, candidate, specs, reason=f"shapes do not divide: {shown}{more}")
+    state = state_bytes(step, candidate, specs)
+    if prune and state > step.limit:
+        reason = (
+            f"not compiled: its state alone needs {state:,} bytes per device, "
+            f"{state - step.limit:,} more than the limit of {step.limit:,}"
+        )
+        return listed(step, candidate, specs, reason=reason, pruned="state", state_bytes=state)
+    return None
+
+
+def drive(
+    schedule: Schedule, work: Sequence[tuple[Step, Candidate]], progress: bool
+) -> dict[int, Plan]:
+    """Compiles the units ``schedule`` gives, two at a time (one traced while the other
+    compiles), with the compilers' output captured; the compiled plans by unit."""
+    done: dict[int, Plan] = {}
+    bar = _Bar(progress, schedule.open_count())
+    with bar, capturing(), ThreadPoolExecutor(max_workers=2) as pool:
+        running: dict[Any, int] = {}
+        try:
+            while True:
+                while len(running) < 2:
+                    i = schedule.next(busy=list(running.values()))
+                    if i is None:
+                        break
+                    running[pool.submit(compile_candidate, *work[i])] = i
+                    bar.show(work[i][1], work[i][0].knobs)
+                if not running:
+                    break
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for future in finished:
+                    i = running.pop(future)
+                    plan = done[i] = future.result()
+                    before = len(schedule.pruned)
+                    schedule.record(i, _outcome(plan))
+                    bar.advance(1 + len(schedule.pruned) - before)
+        except BaseException:  # an interrupt or an error: start no other candidate
+            for future in running:
+                future.cancel()
+            raise
+    return done
+
+
+def _outcome(plan: Plan) -> Outcome:
+    if plan.memory is None or plan.time is None:
+        return Outcome(None)
+    return Outcome(plan.fits, plan.time.step, plan.memory.peak)
+
+
+def _pruned(
+    schedule: Schedule, i: int, step: Step, candidate: Candidate, compiled: Mapping[int, Plan]
+) -> Plan:
+    why = schedule.pruned[i]
+    by = compiled[why.by]
+    specs, _ = in_shardings(step, candidate)
+    state = state_bytes(step, candidate, specs)
+    if why.kind == "memory":
+        peak = format_bytes(by.memory.peak) if by.memory else "?"
+        reason = f"not compiled: needs at least the memory of {by.label}, which needs {peak}"
+    else:
+        best = compiled[why.best]  # type: ignore[index]
+        took = format_seconds(by.time.step) if by.time else "?"
+        reason = f"not compiled: no faster than {by.label} ({took})"
+        if why.best != why.by:
+            fast = format_seconds(best.time.step) if best.time else "?"
+            reason += f", slower than {best.label} ({fast}), which fits"
+        else:
+            reason += ", which fits"
+    return listed(
+        step, candidate, specs, reason=reason, pruned=why.kind, state_bytes=state, pruned_by=by
+    )
+
+
+def advise(
+    build: Builder,
+    plans: Sequence[Plan],
+    target: Target,
+    rules: Rules | None,
+    tp_cache: dict[Any, Any] | None,
+    reads: set[str],
+) -> list[Plan]:
+    """When no plan fits: the closest candidates compiled with more remat and more
+    microbatches than the space holds, each until one fits (at most `ADVICE_COMPILES`)."""
+    built = sorted((p for p in plans if p.memory is not None), key=lambda p: p.memory.peak)  # type: ignore[union-attr]
+    seen, closest = set(), []
+    for p in built:
+        key = (p.layout, tuple(p.mesh_shape.items()))
+        if key not in seen:
+            seen.add(key)
+            closest.append(p)
+    out: list[Plan] = []
+    with capturing():
+        for p in closest[:2]:
+            candidate = Candidate(p.layout, dict(p.mesh_shape))
+            sizes = (batch_of(p.source), data_parallel(candidate))
+            tries = extensions(p.knobs, reads, *sizes)
+            while tries:
+                knobs = tries.pop(0)
+                if len(out) >= ADVICE_COMPILES:
+                    return out
+                try:
+                    extra = make_step(build, knobs, target, rules, tp_cache, set())
+                except (ValueError, TypeError):  # refused: the remat policy, or no further
+                    changed = knobs.get("remat") != p.knobs.get("remat", "none")
+                    tries = extensions(p.knobs, reads - {"remat"}, *sizes) if changed else []
+                    continue
+                plan = precheck(extra, candidate, True) or compile_candidate(extra, candidate)
+                out.append(plan)
+                if plan.fits:
+                    return out
+    return out
+
+
+class _Bar:
+    """A progress bar over the points to compile (those pruned count as done)."""
+
+    def __init__(self, show: bool, total: int):
+        self._show, self._total = show, total
+        self._bar: Any = None
+
+    def __enter__(self) -> _Bar:
+        if self._show:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._bar.__enter__()
+            self._task = self._bar.add_task("compiling", total=self._total)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+    def show(self, candidate: Candidate, knobs: Mapping[str, Any]) -> None:
+        if self._bar is not None:
+            what = candidate.label + (f" {label(knobs)}" if knobs else "")
+            self._bar.update(self._task, description=f"compiling {what}")
+
+    def advance(self, count: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, count)
+
+
+def plan(
+    fun: Callable[..., Any],
+    *args: Any,
+    devices: int | Sequence[Any] | None = None,
+    accelerator: Any = "cpu",
+    memory_limit: int | str | None = None,
+    layouts: Sequence[LayoutSpec] | None = None,
+    rules: Rules | None = None,
+    num_slices: int = 1,
+    progress: bool = False,
+    **jit_options: Any,
+) -> Plans:
+    """Compiles ``fun(*args)`` under every candidate layout for N devices and ranks them.
+
+    Nothing is allocated: each candidate is lowered and compiled with
+    `nnx_sharding.jit` for N devices (compile-only TPUs or GPUs where their plugins are
+    installed, else simulated CPU devices), and costed on ``accelerator``. Every
+    candidate is compiled; `search` plans a step built from knob values, and compiles
+    only the candidates that may be the fastest to fit.
+
+    Args:
+      fun: the step, as `nnx_sharding.jit` takes it.
+      *args: its positional arguments, abstract (``nnx.eval_shape``,
+        ``jax.ShapeDtypeStruct``) or concrete. Graph nodes are state; arrays are
+        per-example data, their leading dimension split over the data-parallel axes.
+      devices: how many devices to plan for, or a sequence of devices (default: a TPU
+        topology's chip count, else the devices jax has).
+      accelerator: a preset name (``'h100'``, ``'v5e'``, ...), a TPU topology
+        (``'v5e:16x16'``) or an ``Accelerator``.
+      memory_limit: bytes per device, an int or a string like ``'80GiB'`` (default:
+        the accelerator's memory).
+      layouts: the layouts to try (default: all of `LAYOUTS`), each a name (on every
+        split of the devices) or one exact candidate, ``('fsdp+tp', {'fsdp': 16,
+        'model': 4})``.
+      rules: logical axis rules for Variables' sharding metadata (``('mlp', 'model')``);
+        tensor parallelism follows the metadata's ``model`` entries when there are
+        any, else the planner's analysis of the step.
+      num_slices: TPU slices (multi-slice).
+      progress: show a progress bar over the candidates.
+      **jit_options: as `nnx_sharding.jit` takes them (``donate_argnums``, ...).
+
+    Returns:
+      The ranked `Plans`.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> model = nnx.eval_shape(lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(0)))
+    >>> def step(model, x):
+    ...     return jnp.sum(model(x) ** 2)
+    >>> x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    >>> plans = plan(step, model, x, devices=2, layouts=['dp', 'fsdp'])
+    >>> sorted(p.layout for p in plans)
+    ['dp', 'fsdp']
+    """
+    from ._built import Built
+
+    return explore(
+        lambda knobs: Built(fun, args, jit_options),
+        None,
+        devices=devices,
+        accelerator=accelerator,
+        memory_limit=memory_limit,
+        layouts=layouts,
+        rules=rules,
+        num_slices=num_slices,
+        progress=progress,
+        prune=False,
+    )
