@@ -191,6 +191,7 @@ def node_prefix_mismatch(transform: str, argument: str, problems: list[str]) -> 
             f"or use the full graph protocol, {_full(transform)}, with "
             "`nnx_sharding.StateSharding(rules)`, which resolves its rules for each call.",
         ],
+        flax="pytree structure error: different pytree metadata",
     )
 
 

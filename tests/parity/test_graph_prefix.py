@@ -378,6 +378,7 @@ def test_prefix_of_another_structure_is_refused(where):
     error = str(run(scenario, OURS).entries[0].payload)
     place = "args[0]" if where.startswith("in") else "out"
     assert f"{where}: {place} has bias, which the prefix's node lacks" in error, error
+    assert "pytree structure error" in error  # flax's words (jax's, in flax)
 
 
 # 6. tree mode refuses it, as flax does; the fixes it gives work
