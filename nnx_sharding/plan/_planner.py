@@ -21,6 +21,7 @@ from .._units import format_bytes
 from ._accelerator import Accelerator
 from ._compile import Step, abstract_args
 from ._cost import parse_bytes
+from ._jaxpr_analysis import tensor_parallel_specs
 from ._layouts import LAYOUTS, Candidate, LayoutSpec, Rules, candidates, metadata_tp, mirror
 
 
@@ -184,10 +185,6 @@ def _tensor_parallel(
     every = [pair for pairs in variables.values() for pair in pairs]
     found = metadata_tp(every, rules)
     if found is None:
-        try:
-            from ._tensor_parallel import tensor_parallel_specs
-        except ImportError:  # pragma: no cover - the analysis ships with the planner
-            return {}, "the tensor-parallel analysis is not available"
         dynamic = [i for i in range(len(args)) if i not in static]
 
         def bound(*dyn: Any) -> Any:

@@ -1,5 +1,5 @@
 """Tensor-parallel shardings from the step's jaxpr, for models without sharding metadata
-(nnx_sharding/plan/_tensor_parallel.py)."""
+(nnx_sharding/plan/_jaxpr_analysis.py)."""
 
 from __future__ import annotations
 
