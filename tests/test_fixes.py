@@ -922,7 +922,6 @@ CASES = [
 # Message builders whose fixes have no code to run (or only name an option or a value
 # the message states), and helpers that build parts of other messages.
 PROSE = {
-    "plan_cannot_replan",  # call devices_for on what plan or search returned
     "static_graph_node",  # drop it from static_argnums
     "wrong_trace_level",  # use nnx.jit for the outer transform
     "state_sharding_at_leaf",
