@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "plan_cannot_replan",
     "accelerator_bad_figures",
     "accelerator_bad_kind",
     "accelerator_no_flops",

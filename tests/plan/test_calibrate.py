@@ -144,3 +144,21 @@ def test_devices_for_replans_at_each_count_it_tries():
     assert sizing.days_low <= sizing.days <= sizing.days_high
     with pytest.raises(ValueError, match="no device count tried"):
         small.devices_for(tokens, days2 / 1e6, tokens_per_step=64, max_devices=8)
+
+
+def test_devices_for_needs_plans_a_planner_made():
+    """Plans put together by hand have no step to plan again: a clear error that says
+    where such Plans come from (repriced Plans keep their planner)."""
+    from nnx_sharding.plan import Plans
+
+    model, optimizer = nnx.eval_shape(build)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    planned = nnx_sharding.plan(
+        train_step, model, optimizer, x, devices=2, accelerator="cpu", layouts=["dp"],
+        donate_argnums=(0, 1),
+    )  # fmt: skip
+    by_hand = Plans(list(planned), planned._step, "by hand")
+    with pytest.raises(ValueError, match="not made by plan or search"):
+        by_hand.devices_for(1e9, 1.0, tokens_per_step=64)
+    repriced = planned.reprice(planned._step.accelerator)
+    assert repriced._planner is planned._planner is not None
