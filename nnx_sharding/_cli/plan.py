@@ -189,6 +189,7 @@ def main(argv: Sequence[str]) -> int:
         p.error(f"--devices {devices}: the command plans up to {MAX_DEVICES} devices")
     space = _space(p, args)  # the options checked before jax starts (or the command reruns)
     config = None if args.model else _config(p, args, devices)
+    builder = _user_builder(p, args.model) if args.model else None
     compile_only = (accelerator.kind == "tpu" and has_tpu_compiler()) or (
         accelerator.kind == "gpu" and has_gpu_compiler()
     )
@@ -200,7 +201,6 @@ def main(argv: Sequence[str]) -> int:
         import jax
 
         jax.config.update("jax_platforms", "cpu")
-    builder = _user_builder(p, args.model) if args.model else None
     return _run(
         args,
         accelerator if topology is None else args.accelerator,
@@ -278,7 +278,7 @@ def _run(
     from ..plan._decoder import DECODER_RULES
     from ..plan._search import search
 
-    console = Console(width=max(Console().width, 200))  # the table's width
+    console = Console(width=max(Console().width, 260))  # the table's width
     if builder is None:
         builder = _decoder_builder(config)
         console.print(

@@ -121,7 +121,8 @@ def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Buil
         unknown = [k for k in knobs if k not in KNOBS]
         if unknown:
             raise ValueError(_errors.decoder_unknown_knobs(unknown, list(KNOBS)))
-        knobs = {**KNOBS, **knobs}
+        # each knob asked for by name: a search learns which ones the step reads
+        knobs = {name: knobs.get(name, default) for name, default in KNOBS.items()}
         c = dataclasses.replace(config, remat=knobs["remat"])
         k = knobs["microbatches"]
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or c.batch % k:

@@ -63,6 +63,7 @@ def test_plan_is_a_command_of_the_main_job():
 def test_a_device_count_the_process_lacks_reruns_the_command(capfd):
     """This process has 8 CPU devices: planning for 2 runs the command again with 2
     (the main job's one device-count mechanism)."""
+    assert len(jax.devices()) == 8  # jax started: the command reruns itself
     argv = ["--config", "tiny", "--devices", "2", "--accelerator", "cpu", "--layouts", "dp"]
     assert main(argv) == 0
     out = capfd.readouterr().out
@@ -84,6 +85,8 @@ def test_the_default_batch_splits_over_every_device(capfd):
 def test_tokens_and_days_size_the_run_in_devices(capfd):
     """``--tokens 1e8 --days 1``: a target 2 devices meet (the tiny decoder's step is
     microseconds): the command names that count, its plan and the days it predicts."""
+    assert len(jax.devices()) == 8  # jax started: the command reruns itself with 2,
+    # leaving this process's 8 devices to the other tests
     argv = ["--config", "tiny", "--devices", "2", "--accelerator", "cpu", "--layouts", "dp"]
     assert main([*argv, "--batch", "8", "--tokens", "1e8", "--days", "1"]) == 0
     out = capfd.readouterr().out
@@ -168,7 +171,7 @@ def test_a_bad_search_option_is_one_line_and_status_2(option, message, capsys):
     ("option", "message"),
     [
         (["--microbatches", "3", "--batch", "8"],
-         "microbatches=3 does not divide the batch of 8; choose among 1, 2, 4, 8"),
+         "microbatches=3 does not divide the batch of 8; choose one of 1, 2, 4, 8"),
         (["--remat", "fulll"], "remat='fulll' is not a value the builder takes"),
     ],
 )  # fmt: skip
@@ -193,14 +196,14 @@ def test_a_size_the_decoder_lacks_names_the_ones_it_has(capsys):
     assert "--kv-heads: the decoder has no such size; it has batch, d_model" in err
 
 
-def test_when_nothing_fits_the_command_says_which_microbatches_would(capsys):
-    """The decoder at batch 64 needs ~29.5 MB per device with fsdp at one microbatch,
-    ~16 MB with 2, ~9.3 MB with 4 (the CPU compiler): under a 12 MB limit, the command
-    compiles more microbatches than it was asked for, and names 4 (this decoder takes no
-    remat policy but 'none': that one is skipped)."""
+def test_when_nothing_fits_the_command_says_which_knobs_would(capsys):
+    """The decoder at batch 64 needs ~25.7 MiB per device with fsdp and no remat (the
+    CPU compiler): under a 12 MB limit, the command compiles knob values it was not
+    asked for, the lightest remat policy first, and names the one that fits (full
+    remat, ~10.2 MiB)."""
     argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "fsdp"]
     assert main([*argv, "--batch", "64", "--memory-limit", "12000000"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "plan: no layout fits in 11.44 MiB per device. The closest is fsdp (fsdp=8)" in out
-    assert "Compiled beyond the space searched, fsdp (fsdp=8; microbatches=4) fits" in out
-    assert "search microbatches=4." in out
+    assert "Compiled beyond the space searched, fsdp (fsdp=8; remat=full) fits" in out
+    assert "search remat='full'." in out

@@ -16,8 +16,8 @@ from flax import nnx
 from rich.console import Console
 
 import nnx_sharding
-from nnx_sharding.plan import Built, Plans
 from nnx_sharding._units import format_bytes
+from nnx_sharding.plan import Built, Plans
 from nnx_sharding.plan._knobs import no_faster, rank
 
 D, F, LAYERS, BATCH = 32, 128, 2, 2048
