@@ -447,16 +447,16 @@ class SimpleShardMapFn(ShardMapFn[P, R]):
             return call.inner(*args)
 
         # graph mode: each nnx.prefix(..., graph=True) as the TreeNode of its node
-        options: dict[str, Any] = dict(
+        mapped: dict[str, Any] = dict(
             out_specs=(node_prefixes(out_specs), groups),
             axis_names=set(axis_names),
             check_vma=check_vma,
         )
         if mesh is not None:
-            options["mesh"] = mesh
+            mapped["mesh"] = mesh
         if in_specs is not None:
-            options["in_specs"] = node_prefixes(in_specs)
-        self.inner = jax.shard_map(inner, **options)
+            mapped["in_specs"] = node_prefixes(in_specs)
+        self.inner = jax.shard_map(inner, **mapped)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._call.run(self.inner, args, kwargs)

@@ -37,7 +37,7 @@ import math
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -226,7 +226,7 @@ _GIB = 2**30
 #: and STREAM benchmarks reach 3.0-3.1 of the H100's 3.35 TB/s. Links: nccl-tests'
 #: all-reduce bus bandwidth on 8 H100s, about 370 of 450 GB/s. A kernel's launch and
 #: tail: a few microseconds without CUDA graphs.
-GPU_EFFICIENCY = dict(
+GPU_EFFICIENCY: dict[str, Any] = dict(
     matmul_efficiency=0.6,
     hbm_efficiency=0.9,
     link_efficiency=0.82,
@@ -237,7 +237,7 @@ GPU_EFFICIENCY = dict(
 #: TFLOP/s of model FLOPs per chip: predicted within 3 % at 0.8); the MXUs of v5e and
 #: v6e are taken to sustain the same fraction. HBM as the GPUs'; ICI links 0.9 (the
 #: calibration run hides its collectives: it cannot set this figure).
-TPU_EFFICIENCY = dict(
+TPU_EFFICIENCY: dict[str, Any] = dict(
     matmul_efficiency=0.8,
     hbm_efficiency=0.9,
     link_efficiency=0.9,

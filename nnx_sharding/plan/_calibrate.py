@@ -68,6 +68,7 @@ def calibrate(
 
 def _search(f: Any, low: float, high: float) -> float:
     """The argmin of ``f`` over ``[low, high]`` on a log grid, refined twice."""
+    best = low
     for _ in range(3):
         steps = 48
         grid = [low * (high / low) ** (k / steps) for k in range(steps + 1)]

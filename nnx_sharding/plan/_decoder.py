@@ -202,7 +202,7 @@ RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype: Any,
-           *, norm: bool = False) -> nnx.Param:  # fmt: skip
+           *, norm: bool = False) -> nnx.Param[jax.Array]:  # fmt: skip
     init = nnx.initializers.ones if norm else nnx.initializers.normal(0.02)
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
 
@@ -233,7 +233,10 @@ def _block_shapes(c: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[st
     """A block's weights: their shapes and logical axis names."""
     d, h, k, f = c.d_model, c.heads, c.head_dim, c.mlp
     kv = ((d, c.kv, k), ("embed", "heads" if c.kv == h else "kv_heads", None))
-    shapes = {"attn_norm": ((d,), (None,)), "wq": ((d, h, k), ("embed", "heads", None))}
+    shapes: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {
+        "attn_norm": ((d,), (None,)),
+        "wq": ((d, h, k), ("embed", "heads", None)),
+    }
     shapes |= {"wk": kv, "wv": kv, "wo": ((h, k, d), ("heads", None, "embed"))}
     if not c.parallel_block:
         shapes["mlp_norm"] = ((d,), (None,))
@@ -303,6 +306,12 @@ class Decoder(nnx.Module):
     (2, 5, 512)
     """
 
+    config: DecoderConfig
+    embed: nnx.Param[jax.Array]
+    layers: Block | nnx.List[Block]  # one Block of stacked weights when scanned
+    final_norm: nnx.Param[jax.Array]
+    head: nnx.Param[jax.Array]  # absent with tied embeddings
+
     def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs):
         self.config = c
         self.embed = _param(rngs, (c.vocab, c.d_model), ("vocab", "embed"), c.param_dtype)
@@ -325,10 +334,11 @@ class Decoder(nnx.Module):
 
         if c.remat != "none":  # each layer rematerialized on its own
             layer = nnx.remat(layer, policy=remat_policy(c.remat), prevent_cse=not c.scan)
+        layers: Any = self.layers  # one Block of stacked weights when scanned, else a List
         if c.scan:
-            x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+            x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, layers)
         else:
-            for block in self.layers:
+            for block in layers:
                 x = layer(x, block)
         x = _rms_norm(x, self.final_norm[...], c.norm_eps)
         if c.tied:

@@ -65,7 +65,7 @@ def hidden(instrs: list[Instr]) -> dict[str, tuple[bool, tuple[str, ...]]]:
             for callee in _CALLS.findall(ins.rest):
                 if owner.get(callee) != callee:
                     callers.setdefault(callee, ins)
-    out: dict[str, bool] = {}
+    out: dict[str, tuple[bool, tuple[str, ...]]] = {}
     graphs: dict[str, _Graph] = {}
     for ins in instrs:
         if ins.opcode not in _COLLECTIVES:

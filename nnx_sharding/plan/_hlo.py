@@ -432,7 +432,7 @@ def _slices(user: Instr, size: int, pid: set[tuple[str, str]]) -> bool:
 
 def summary(found: list[Collective]) -> dict[str, int]:
     """Bytes per kind, every kind present (0 where none)."""
-    totals = dict.fromkeys(KINDS, 0)
+    totals: dict[str, int] = dict.fromkeys(KINDS, 0)
     for c in found:
         totals[c.kind] += c.bytes
     return totals

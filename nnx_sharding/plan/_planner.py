@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -167,7 +168,7 @@ def _dtype(variables: dict[int, list[tuple[Path, nnx.Variable[Any]]]]) -> str:
     for pairs in variables.values():
         for _, var in pairs:
             v = var.get_value()
-            if hasattr(v, "dtype") and jax.dtypes.issubdtype(v.dtype, np.floating):
+            if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, np.floating):
                 name = np.dtype(v.dtype).name
                 totals[name] = totals.get(name, 0) + math.prod(v.shape) * v.dtype.itemsize
     return max(totals, key=totals.__getitem__) if totals else "float32"

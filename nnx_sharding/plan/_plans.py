@@ -82,8 +82,8 @@ class Plans(Sequence[Plan]):
         self._plans = rank(plans)
         self._step = step
         self.title = title
-        self.advice = tuple(advice)
-        self.space = space
+        self.advice: tuple[Plan, ...] = tuple(advice)
+        self.space: Mapping[str, Sequence[Any]] | None = space
 
     @overload
     def __getitem__(self, i: int) -> Plan: ...
@@ -145,20 +145,20 @@ class Plans(Sequence[Plan]):
 
     def _advice(self) -> str:
         """What `advice` shows, in a sentence ('' without any)."""
-        fitting = [p for p in self.advice if p.fits and p.memory is not None]
+        fitting = [(p.memory.peak, p) for p in self.advice if p.fits and p.memory is not None]
         if fitting:
-            p = fitting[0]
+            peak, p = fitting[0]
             return (
                 f"Compiled beyond the space searched, {p.label} fits, needing "
-                f"{format_bytes(p.memory.peak)} per device: search "
+                f"{format_bytes(peak)} per device: search "
                 f"{', '.join(f'{k}={v!r}' for k, v in p.knobs.items())}."
             )
-        built = [p for p in self.advice if p.memory is not None]
+        built = [(p.memory.peak, p) for p in self.advice if p.memory is not None]
         if built:
-            p = min(built, key=lambda p: p.memory.peak)  # type: ignore[union-attr]
+            peak, p = min(built, key=lambda b: b[0])
             return (
                 f"Compiled beyond the space searched, the lightest, {p.label}, still "
-                f"needs {format_bytes(p.memory.peak)} per device."
+                f"needs {format_bytes(peak)} per device."
             )
         return ""
 
@@ -222,7 +222,8 @@ class Plans(Sequence[Plan]):
                 format_seconds(p.time.compute),
                 format_seconds(p.time.comms),
                 format_seconds(p.time.step),
-                f"{format_seconds(p.time.step_low)}-{format_seconds(p.time.step_high)}",
+                f"{format_seconds(_or(p.time.step_low, p.time.step))}-"
+                f"{format_seconds(_or(p.time.step_high, p.time.step))}",
                 format_seconds(p.time.serial),
             ]
             if model:
@@ -511,3 +512,7 @@ def _place(value: Any, sharding: Any) -> Any:
     if hasattr(value, "shape"):
         return jax.device_put(jnp.array(value, copy=True), sharding)
     return value
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors
@@ -63,7 +64,7 @@ def tokens_in(args: tuple[Any, ...], static: frozenset[int], variables: dict) ->
             continue
         for leaf in jax.tree.leaves(arg):
             dtype = getattr(leaf, "dtype", None)
-            if dtype is not None and jax.dtypes.issubdtype(dtype, np.integer) and leaf.shape:
+            if dtype is not None and jnp.issubdtype(dtype, np.integer) and leaf.shape:
                 return math.prod(leaf.shape)
     raise ValueError(
         "devices_for: no integer array argument to count tokens from: pass tokens_per_step"

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 
@@ -30,7 +30,8 @@ from ._planner import Target, check_layouts, has_optimizer_state, prepare, resol
 from ._plans import Plans
 from ._schedule import Outcome, Schedule
 
-Builder = Callable[[Mapping[str, Any]], "Built | tuple[Callable[..., Any], tuple[Any, ...]]"]
+Builder: TypeAlias = Callable[[Mapping[str, Any]], Any]
+"""``build(knobs)``, returning a `Built` (or a ``(step, args)`` pair)."""
 ADVICE_COMPILES = 6
 """At most this many extra points are compiled to say what would fit when nothing does."""
 

@@ -31,7 +31,7 @@ KNOBS: dict[str, Any] = {"remat": "none", "microbatches": 1}
 
 def accumulate_gradients(
     loss: Callable[..., jax.Array], model: nnx.Module, batch: Any, microbatches: int
-) -> tuple[jax.Array, nnx.State]:
+) -> tuple[jax.Array, nnx.State[Any, Any]]:
     """``nnx.value_and_grad(loss)(model, batch)`` (gradients of the ``nnx.Param``\\ s),
     computed ``microbatches`` rows of the batch at a time and averaged: a scan whose
     float32 accumulator is the only extra memory. For a loss that is a mean over equal
