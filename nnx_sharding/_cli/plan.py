@@ -109,6 +109,12 @@ def parser() -> argparse.ArgumentParser:
         help="compile every point (default: leave uncompiled what cannot be fastest)",
     )
     search.add_argument(
+        "--pareto",
+        action="store_true",
+        help="also leave uncompiled a candidate another beats on memory and time at the "
+        "same knobs (fewer compiles; not exact)",
+    )
+    search.add_argument(
         "--all", action="store_true", help="show the points left uncompiled in the table too"
     )
     model = p.add_argument_group("the model")
@@ -299,7 +305,7 @@ def _run(
             rules=DECODER_RULES if config is not None else None,
             num_slices=args.num_slices,
             progress=True,
-            prune=not args.no_prune,
+            prune="pareto" if args.pareto and not args.no_prune else not args.no_prune,
         )
     except (ValueError, TypeError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")

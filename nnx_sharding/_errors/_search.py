@@ -15,6 +15,7 @@ __all__ = [
     "search_bad_knob_value",
     "search_bad_knob_values",
     "search_bad_microbatches",
+    "search_bad_prune",
     "search_bad_space",
     "search_builder_failed",
     "search_unread_knobs",
@@ -104,3 +105,7 @@ def search_unread_knobs(unread: Sequence[str], reads: Sequence[str]) -> str:
         f"plan.search: the builder never reads the knob(s) {', '.join(map(repr, unread))} "
         f"of the space; the knobs it reads: {known}."
     )
+
+
+def search_bad_prune(value: object) -> str:
+    return f"plan.search: prune={value!r}; choose among True, False, 'pareto'."

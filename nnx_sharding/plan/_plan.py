@@ -59,12 +59,13 @@ class Plan:
         uncompiled (`pruned`) or that could not be built.
       pruned: why `search` did not compile it: ``'state'`` (its state alone exceeds the
         limit), ``'memory'`` (it needs at least what a compiled plan that does not fit
-        needs), ``'time'`` (no faster than a compiled plan, slower than one that fits);
-        None otherwise.
+        needs), ``'time'`` (no faster than a compiled plan, slower than one that fits),
+        ``'pareto'`` (another candidate beats its own on memory and time at the same
+        knobs); None otherwise.
       state_bytes: per-device bytes of its state from the shardings (no compiler
         needed); None where its shapes do not divide.
       pruned_by: the compiled plan that shows it need not be compiled (``pruned``
-        ``'time'`` or ``'memory'``).
+        ``'time'``, ``'memory'`` or ``'pareto'``).
     """
 
     layout: str

@@ -42,7 +42,7 @@ def rank(plans: Sequence[Plan]) -> list[Plan]:
     then peak memory); then the others compiled, by peak memory; then those left
     uncompiled as no faster than one that fits, then those uncompiled as not fitting
     (by their state); those not built last."""
-    order = {"time": 2, "memory": 3, "state": 3}
+    order = {"time": 2, "pareto": 2, "memory": 3, "state": 3}
 
     def key(p: Plan) -> tuple[Any, ...]:
         if p.fits and p.time is not None:
@@ -429,6 +429,8 @@ def _why(p: Plan, rows: Mapping[int, int]) -> str:
         return f"not compiled: no faster than #{by}" + (", which fits" if p.pruned_by.fits else "")  # type: ignore[union-attr]
     if p.pruned == "memory" and by is not None:
         return f"not compiled, does not fit: needs at least #{by}'s memory"
+    if p.pruned == "pareto" and by is not None:
+        return f"not compiled: #{by} beats its candidate on memory and time"
     if p.pruned == "state" and p.state_bytes is not None:
         return f"not compiled, does not fit: its state alone is {format_bytes(p.state_bytes)}"
     return str(p.reason)
@@ -451,7 +453,7 @@ def plan_json(p: Plan) -> dict[str, Any]:
         "knobs": dict(p.knobs),
         "compiled": p.compiled,
         "pruned": p.pruned,
-        "fits": None if p.pruned in ("time", "memory") else p.fits,  # inferred: unknown
+        "fits": None if p.pruned in ("time", "memory", "pareto") else p.fits,  # inferred
         "reason": p.reason,
         "compiler": p.compiler,
         "accelerator": p.accelerator,

@@ -47,7 +47,7 @@ def search(
     rules: Rules | None = None,
     num_slices: int = 1,
     progress: bool = False,
-    prune: bool = True,
+    prune: bool | str = True,
 ) -> Plans:
     """Plans the step ``build`` makes at every point of ``space`` under every candidate
     layout, ranked together; compiles only what may be the fastest plan that fits.
@@ -63,17 +63,22 @@ def search(
     memory: ``'memory'``); a point no faster than a compiled point that is no faster
     than the fastest plan that fits (more ``remat`` or ``microbatches`` is no faster:
     ``'time'``). From 1 to 2 microbatches is not taken to save memory (the gradients
-    accumulated can outweigh the activations halved). ``prune=False`` compiles every
-    point. When nothing fits, `Plans.best` names what would: before it says so, the
-    planner compiles the closest candidates with more ``remat`` and ``microbatches``
-    than the space holds (for the knobs the builder reads).
+    accumulated can outweigh the activations halved). Both rules are checked against
+    the points compiled, and dropped for a candidate whose points contradict them.
+    ``prune=False`` compiles every point; ``prune='pareto'`` also leaves uncompiled the
+    other points of a candidate that another beats on both memory and time at the same
+    knob values (not exact: it assumes that knobs change every candidate alike). When
+    nothing fits, `Plans.best` names what would: before it says so, the planner compiles
+    the closest candidates with more ``remat`` and ``microbatches`` than the space holds
+    (for the knobs the builder reads).
 
     Args:
       build: the builder (see `Built`).
       space: knob name -> the values to try (default: the builder's defaults alone).
       devices, accelerator, memory_limit, layouts, rules, num_slices, progress: as
         `plan` takes them.
-      prune: leave uncompiled the points shown not to be the fastest that fits.
+      prune: leave uncompiled the points shown not to be the fastest that fits (True),
+        with the candidates beaten at the same knobs too (``'pareto'``), or none (False).
 
     Returns:
       The `Plans` of every (candidate, knob point), ranked together.
@@ -117,9 +122,11 @@ def explore(
     rules: Rules | None,
     num_slices: int,
     progress: bool,
-    prune: bool,
+    prune: bool | str,
 ) -> Plans:
     """`search`'s work (`plan` is one point of it, ``prune=False``)."""
+    if prune not in (True, False, "pareto"):
+        raise ValueError(_errors.search_bad_prune(prune))
     knob_points = points(space)
     target = resolve_target(devices, accelerator, memory_limit, num_slices)
     given = check_layouts(layouts, len(target.devices))
@@ -208,7 +215,7 @@ def data_parallel(candidate: Candidate) -> int:
     return math.prod(candidate.mesh_shape.get(a, 1) for a in DATA_AXES)
 
 
-def precheck(step: Step, candidate: Candidate, prune: bool) -> Plan | None:
+def precheck(step: Step, candidate: Candidate, prune: bool | str) -> Plan | None:
     """``candidate``'s plan when it is listed without compiling (shapes that do not
     divide, no tensor-parallel split, and with ``prune`` a state above the limit)."""
     specs, problems = in_shardings(step, candidate)
@@ -286,6 +293,11 @@ def _pruned(
     if why.kind == "memory":
         peak = format_bytes(by.memory.peak) if by.memory else "?"
         reason = f"not compiled: needs at least the memory of {by.label}, which needs {peak}"
+    elif why.kind == "pareto":
+        reason = (
+            f"not compiled: {by.label} beats this candidate on memory and time at the "
+            "same knobs (prune='pareto')"
+        )
     else:
         best = compiled[why.best]  # type: ignore[index]
         took = format_seconds(by.time.step) if by.time else "?"

@@ -195,9 +195,9 @@ def test_command_line_values_are_typed():
     ]
 
 
-def drive(units, truth, limit):
+def drive(units, truth, limit, prune=True):
     """Compiles one unit at a time, as the schedule says; the schedule at the end."""
-    schedule = Schedule(units, limit)
+    schedule = Schedule(units, limit, prune=prune)
     while (i := schedule.next(busy=[])) is not None:
         peak, time = truth[i]
         schedule.record(i, Outcome(peak <= limit, time, peak))
@@ -222,7 +222,7 @@ def test_points_that_contradict_the_memory_rule_make_their_lattice_compile_it_al
     figures |= {("full", 2): (97.0, 1.3), ("full", 4): (150.0, 1.5)}
     grid, units, truth = lattice_after_a_large_model(figures)
     schedule = drive(units, truth, 100.0)
-    assert schedule.distrusted["memory"] == {"small"}
+    assert ("small", "remat") in schedule.distrusted["memory"]
     best = grid[schedule.best - 1]
     assert (best["remat"], best["microbatches"]) == ("none", 4)
     assert truth[schedule.best] == (98.0, 1.2)
@@ -235,5 +235,40 @@ def test_points_that_contradict_the_time_rule_make_their_lattice_compile_it_all(
     figures |= {("full", 2): (105.0, 1.2), ("full", 4): (90.0, 0.8)}
     _, units, truth = lattice_after_a_large_model(figures)
     schedule = drive(units, truth, 100.0)
-    assert schedule.distrusted["time"] == {"small"}
+    assert ("small", "remat") in schedule.distrusted["time"]
     assert set(schedule.outcomes) == {0, 1, 2, 3, 4} and not schedule.pruned
+
+
+def test_a_rule_is_dropped_only_along_the_knob_two_points_contradict_it_on():
+    """More microbatches faster (the GPU compiler's FLOP count varies with the
+    microbatch loop), more remat slower: the time rule stays along remat."""
+    grid = points({"remat": ["none", "full"], "microbatches": [2, 4]})
+    schedule = Schedule([("x", rank(k)) for k in grid], 100.0)
+    times = {("none", 2): 1.0, ("none", 4): 0.8, ("full", 2): 1.3, ("full", 4): 1.1}
+    for i, knobs in enumerate(grid):
+        schedule.record(i, Outcome(False, times[(knobs["remat"], knobs["microbatches"])], 200.0))
+    assert schedule.distrusted["time"] == {("x", "microbatches")}
+    assert schedule.distrusted["memory"] == set()
+
+
+@pytest.mark.parametrize("prune", [True, "pareto"])
+def test_pareto_leaves_a_candidate_beaten_at_the_same_knobs_uncompiled(prune):
+    """Two candidates whose fastest points both fit nowhere; at the lightest point, one
+    needs less memory and less time than the other: with ``'pareto'`` the beaten one's
+    other points are not compiled."""
+    grid = points({"remat": ["none", "full"], "microbatches": [2, 4]})
+    units = [(c, rank(k)) for c in ("a", "b") for k in grid]
+    figures = {"a": (90.0, 1.0), "b": (95.0, 1.2)}  # at every point; fits below 100
+    heavy = {("none", 2): 5.0}  # the fastest point: 5 times the figures' memory
+    truth = []
+    for c, knobs in ((c, k) for c in ("a", "b") for k in grid):
+        peak, time = figures[c]
+        truth.append((peak * heavy.get((knobs["remat"], knobs["microbatches"]), 1.0), time))
+    schedule = drive(units, truth, 100.0, prune=prune)
+    beaten = {i for i, why in schedule.pruned.items() if why.kind == "pareto"}
+    if prune == "pareto":
+        assert beaten and all(units[i][0] == "b" for i in beaten)
+        assert all(units[schedule.pruned[i].by][0] == "a" for i in beaten)
+    else:
+        assert not beaten
+    assert schedule.units[schedule.best][0] == "a"

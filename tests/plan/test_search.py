@@ -294,6 +294,27 @@ def test_a_bad_knob_is_one_line_naming_it(builder, space, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+def test_pareto_leaves_a_candidate_beaten_at_the_same_knobs_uncompiled(every):
+    """With ``prune='pareto'``, a candidate whose compiled point another beats on both
+    memory and time at the same knobs is compiled no further; the reference shows the
+    beating, from the compiler's figures."""
+    limit = min(every, key=lambda p: p.time.step).memory.peak - 1
+    plans = search(layouts=["dp", "fsdp", "tp"], memory_limit=limit, prune="pareto")
+    reference = {key(p): p for p in every}
+    beaten = [p for p in plans if p.pruned == "pareto"]
+    assert beaten
+    for p in beaten:
+        by = p.pruned_by
+        assert by.compiled and key(by)[:2] != key(p)[:2]
+        mine = reference[(p.layout, tuple(p.mesh_shape.items()), tuple(by.knobs.items()))]
+        assert by.memory.peak <= mine.memory.peak and by.time.step <= mine.time.step
+
+
+def test_an_unknown_prune_names_the_choices():
+    with pytest.raises(ValueError, match=r"prune='fast'; choose among True, False, 'pareto'"):
+        search(layouts=["dp"], prune="fast")
+
+
 def test_a_builder_must_return_a_built_step():
     with pytest.raises(TypeError, match="returned int for its defaults; expected Built"):
         nnx_sharding.plan.search(lambda knobs: 3, devices=8, layouts=["dp"])
