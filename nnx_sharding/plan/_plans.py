@@ -257,6 +257,16 @@ class Plans(Sequence[Plan]):
         ``model_flops`` (per device per step, counted from the model),
         ``model_tflops_per_device`` (``model_flops / time.step / 1e12``), ``notes`` and
         ``compile_seconds``.
+
+        >>> import json, jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from nnx_sharding.plan import plan
+        >>> model = nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+        >>> x = jax.ShapeDtypeStruct((2, 4), jnp.float32)
+        >>> plans = plan(lambda m, x: m(x).sum(), model, x, devices=2, layouts=['dp'])
+        >>> row = json.loads(plans.to_json())['plans'][0]
+        >>> row['layout'], row['mesh_shape'], row['compiled'], row['memory']['peak'] > 0
+        ('dp', {'data': 2}, True, True)
         """
         import json
 
