@@ -21,11 +21,13 @@ from typing import Any, NamedTuple
 
 from .. import _errors
 
-REMAT_ORDER = ("none", "dots", "dots_with_no_batch_dims", "full")
-"""The remat policies the planner orders, each keeping fewer activations than the one
-before (``jax.checkpoint_policies``: everything saved, ``checkpoint_dots``,
-``dots_with_no_batch_dims_saveable``, ``nothing_saveable``): each saves memory and
-recomputes more than the one before."""
+REMAT_ORDER = ("none", "dots_with_context", "dots", "full")
+"""The remat policies the planner orders, by the names of `REMAT_POLICIES`, each keeping
+fewer activations than the one before: everything; the weight matmuls' outputs and the
+attention's (``dots_with_context``); the weight matmuls' outputs
+(``checkpoint_dots_with_no_batch_dims``); each layer's input (``nothing_saveable``).
+Each saves memory and recomputes more than the one before (7B on 8 H100s, FSDP:
+137.6, 69.4, 62.3 and 24.4 GiB per GPU)."""
 KNOWN = ("remat", "microbatches")
 
 
