@@ -28,6 +28,7 @@ takes.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,19 @@ import nnx_sharding
 
 EXAMPLES = int(os.environ.get("NNX_SHARDING_FUZZ_EXAMPLES", "500"))
 EXPLORE = "NNX_SHARDING_FUZZ_EXAMPLES" in os.environ  # else the same draws on every run
+CLEAR_EVERY = 200
+"""Examples between two ``jax.clear_caches()`` in a long run: every example compiles
+new programs, and jax keeps them all; 20000 examples in one process outgrew 24 GB and
+the kernel's 65530 memory maps (a segfault in the compiler after about 10 minutes).
+The suite's own run (500 examples) clears nothing."""
+_examples = itertools.count(1)
+
+
+def clear_now_and_then() -> None:
+    """``jax.clear_caches()`` once every `CLEAR_EVERY` examples of a long run: the
+    transforms' own caches (the fast path's included) stay as they are."""
+    if EXPLORE and next(_examples) % CLEAR_EVERY == 0:
+        jax.clear_caches()
 
 
 class FastPathFuzz(Twins):
@@ -75,6 +89,9 @@ class FastPathFuzz(Twins):
 
     fast = FAST
     reference = FLAX
+
+    def teardown(self) -> None:
+        clear_now_and_then()
 
     def check_call(self, x: int = 0) -> None:
         out_a, model_a = self.fast["forward"](self.a, XS[x])
@@ -143,6 +160,9 @@ class StagedFuzz(Twins):
     """
 
     kind: str
+
+    def teardown(self) -> None:
+        clear_now_and_then()
 
     @initialize(kind=st.sampled_from(["jit_donate", "compiled", "compiled_donate"]))
     def pick(self, kind: str) -> None:
