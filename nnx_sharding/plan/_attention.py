@@ -10,9 +10,14 @@ compile-only devices the planner uses (no accelerator present):
 - GPU: cuDNN's fused attention (``jax.nn.dot_product_attention(implementation='cudnn')``)
   where it traces: on a GPU with cuDNN, in bfloat16 or float16. It does not trace for
   compile-only GPUs: jax checks the cuDNN library's version and the local GPU's compute
-  capability while tracing, and raises without them (XLA itself compiles the cuDNN call
-  for a compile-only H100 once those checks are skipped, with no workspace). There, and
-  in float32, the blockwise attention below.
+  capability while tracing, and raises without them. There Pallas's flash-attention
+  kernel for GPUs (``jax.experimental.pallas.ops.gpu.attention``, Triton) is compiled
+  in its place, for shapes it takes (`triton_attention`): the same algorithm, the same
+  memory, and FLOPs the cost model counts as it counts cuDNN's. So a plan made with no
+  GPU prices the step that runs on one: on an H200, a 1B decoder's step predicted at
+  209 ms ran in 195 ms with cuDNN, where the blockwise attention's step (predicted
+  363 ms) ran in 345 ms (docs/planning.md, "Measured on a GPU"). In float32, the
+  blockwise attention below.
 - CPU, and every shape the kernels above do not take: `blockwise_attention`, written in
   JAX: flash attention's algorithm, blocks of queries and keys, a running softmax, and a
   backward pass (``jax.custom_vjp``) that recomputes each block's probabilities from the
@@ -34,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _errors
 from ._activations import activation_spec
 
-ATTENTION = ("auto", "blockwise", "splash", "cudnn")
+ATTENTION = ("auto", "blockwise", "splash", "cudnn", "triton")
 """The attention implementations a `DecoderConfig` may name."""
 BLOCK = 512
 """The blockwise attention's block of queries and of keys (the largest divisor of the
@@ -60,13 +65,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "a
         except Exception:  # noqa: BLE001 - no GPU or cuDNN to trace for (compile-only)
             if implementation == "cudnn":
                 raise
+        kernel = "triton" if _triton_shapes(q.shape[1], q.shape[-1]) else "blockwise"
+    if kernel == "triton":
+        return triton_attention(q, k, v)
     return blockwise_attention(q, k, v)
 
 
 def attention_kernel(implementation: str, seq: int, head_dim: int, dtype: Any) -> str:
     """The kernel ``implementation`` gets for these shapes on the current target (the
     platform of the mesh set with ``jax.set_mesh``, else jax's default backend):
-    ``'splash'``, ``'cudnn'`` (tried while tracing) or ``'blockwise'``.
+    ``'splash'``, ``'cudnn'`` (tried while tracing; where it does not trace, ``'triton'``
+    for the shapes it takes, else ``'blockwise'``) or ``'blockwise'``.
 
     >>> attention_kernel('auto', 4096, 128, jnp.bfloat16)  # on the CPU
     'blockwise'
@@ -146,6 +155,44 @@ def _local(n: int, axes: Any) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     return n // math.prod(sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+
+
+# --- Pallas flash attention (GPU, Triton) --------------------------------------------------
+
+
+def _triton_shapes(seq: int, head_dim: int) -> bool:
+    """Shapes Pallas's GPU attention takes: a sequence of whole 128-blocks, a power-of-two
+    head dimension of 64 to 256."""
+    return seq % 128 == 0 and head_dim in (64, 128, 256)
+
+
+def triton_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False
+) -> jax.Array:
+    """`attention` by Pallas's GPU flash-attention kernel (Triton), batch and heads
+    split over the mesh as the activations are; ``interpret`` runs it in Pallas's
+    interpreter (any backend: how it is tested). Key and value heads are repeated to
+    the query heads (the kernel has no grouped-query form)."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    h, d = q.shape[2], q.shape[3]
+    if k.shape[2] != h:
+        k, v = (jnp.repeat(t, h // k.shape[2], axis=2) for t in (k, v))
+    spec = activation_spec(q.shape, ("activation_batch", None, "activation_heads", None))
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        out: jax.Array = gpu_attention.mha(
+            q, k, v, segment_ids=None, sm_scale=1 / math.sqrt(d), causal=True,
+            interpret=interpret,
+        )  # fmt: skip
+        return out
+
+    if spec is None:
+        return local(q, k, v)
+    return jax.shard_map(
+        local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec, spec, spec),
+        out_specs=spec, check_vma=False,
+    )(q, k, v)  # fmt: skip
 
 
 # --- blockwise attention in JAX (every target) ------------------------------------------------

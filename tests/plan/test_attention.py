@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import nnx_sharding
 from nnx_sharding.plan import DecoderConfig, _attention, blockwise_attention, decoder_builder
 from nnx_sharding.plan._devices import compile_devices, has_gpu_compiler, has_tpu_compiler
+from nnx_sharding.plan._ops import ops
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -82,6 +83,18 @@ def test_the_splash_wrapper_computes_jaxs_attention_split_over_the_mesh():
         np.testing.assert_allclose(got(q, k, v), want, rtol=2e-5, atol=2e-5)
 
 
+def test_the_triton_wrapper_computes_jaxs_attention_split_over_the_mesh():
+    """Pallas's GPU flash-attention kernel, interpreted on the CPU: its scaling, layout
+    and grouped heads (repeated) as jax's attention, alone and under a mesh."""
+    q, k, v, _ = qkv(2, 128, 4, 2, 64)
+    want = reference(q, k, v)
+    got = jax.jit(lambda q, k, v: _attention.triton_attention(q, k, v, interpret=True))
+    np.testing.assert_allclose(got(q, k, v), want, rtol=2e-5, atol=2e-5)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(got(q, k, v), want, rtol=2e-5, atol=2e-5)
+
+
 # --- the kernel each target's compiler gets, in a decoder's training step ---------------------
 
 LONG = DecoderConfig("long", 256, 256, 2, 128, 512, 1, batch=8, seq_len=1536, kv_heads=1)
@@ -114,15 +127,23 @@ def test_the_tpu_compiler_gets_the_splash_kernel():
 
 
 @pytest.mark.skipif(not has_gpu_compiler(), reason="needs nnx_sharding[gpu]")
-def test_compile_only_gpus_get_the_blockwise_attention():
+def test_compile_only_gpus_get_pallas_flash_attention_for_cudnns():
     """cuDNN's fused attention does not trace without a GPU (jax asks the cuDNN library
-    and the local GPU while tracing): the blockwise attention is compiled instead."""
+    and the local GPU while tracing): Pallas's flash-attention kernel (Triton), the same
+    algorithm with the same FLOPs, is compiled in its place, and the cost model counts
+    its FLOPs as the causal attention's."""
     with jax.set_mesh(Mesh(np.array(compile_devices("h100", 8)[0]), ("fsdp",))):
         assert _attention.attention_kernel("auto", 2048, 128, jnp.bfloat16) == "cudnn"
         assert _attention.attention_kernel("auto", 2048, 128, jnp.float32) == "blockwise"
     text = compile_step("h100", LONG)
     assert "cudnn$fmha" not in text
+    assert "triton" in text
     assert not squares(text, 1536), squares(text, 1536)[:3]
+    # per device: 1 sequence, 2 heads (the kv head repeated); one unit is 2·B·H·S²·D,
+    # halved for the mask; forward 2 units (twice: remat 'full'), backward 5
+    unit = 2 * 1 * 2 * 1536**2 * 128 / 2
+    kernels = sorted(op.flops for op in ops(text) if op.opcode == "custom-call" and op.flops)
+    assert kernels == [2 * unit, 2 * unit, 5 * unit]
     with pytest.raises(Exception, match="cuDNN"):
         compile_step("h100", dataclasses.replace(LONG, attention="cudnn"))
 
