@@ -7,16 +7,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeAlias, TypeVar, overload
 
 import jax
-from flax import nnx
 
 from . import _errors
 from ._callpath.argnums import COMPILER_KEYWORDS, JIT_DEFAULTS, read_argnums, shift_argnums
 from ._callpath.call import CachedCall, PartialRun
 from ._callpath.jit_body import make_inner
-from ._callpath.outside import CallPlan, CallSpec, partition_args
+from ._callpath.outside import CallPlan, CallSpec, check_statics, partition_args
 from ._callpath.simple import SimpleCall, check_prefix, node_prefixes, resolve_mode, unique_leaves
 from ._jit_partial.cached_partial import CachedPartials, partial_of_jit
-from ._nodes import bound_node, is_node
+from ._nodes import bound_node
 from ._sharding import accept_flax, prefixes
 from ._stages import Lowered, Traced
 from ._types import Device
@@ -160,17 +159,7 @@ class SimpleJitWrapped(JitWrapped[P, R]):
     def _check_statics(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A static graph node or unhashable value, named as the graph mode names it."""
         _, _, _, statics = partition_args(self._spec, args, kwargs)
-        for key, value in statics:
-            name = f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
-            for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_node):
-                if is_node(leaf) or isinstance(leaf, nnx.Variable):
-                    kind = type(leaf).__name__
-                    raise ValueError(_errors.static_graph_node("jit", name, kind))
-            try:
-                hash(value)
-            except TypeError as e:
-                kind = type(value).__name__
-                raise ValueError(_errors.bad_static("jit", name, kind, str(e))) from None
+        check_statics("jit", statics)
 
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:

@@ -212,6 +212,20 @@ def as_jax(value: Leaf) -> Leaf:
     return jax.numpy.asarray(value) if is_host_type(type(value)) else value
 
 
+def check_statics(transform: str, statics: Sequence[tuple[int | str, Any]]) -> None:
+    """Raises for a static argument that holds a graph node or is not hashable."""
+    for key, value in statics:
+        name = f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
+        for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_node):
+            if is_node(leaf) or isinstance(leaf, nnx.Variable):
+                raise ValueError(_errors.static_graph_node(transform, name, type(leaf).__name__))
+        try:
+            hash(value)
+        except TypeError as e:
+            kind = type(value).__name__
+            raise ValueError(_errors.bad_static(transform, name, kind, str(e))) from None
+
+
 def partition_args(
     spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[list[int], tuple[Any, ...], dict[str, Any], tuple[tuple[int | str, Hashable], ...]]:
@@ -230,19 +244,7 @@ def split_call(
     """Step 1. Returns the plan, the flat leaves, the `Site` of each flat leaf and the
     object each flat leaf was read from (a Variable, or the array itself)."""
     positions, dyn_args, dyn_kwargs, statics = partition_args(spec, args, kwargs)
-    for key, value in statics:
-        name = f"args[{key}]" if isinstance(key, int) else f"kwargs[{key!r}]"
-        for leaf in jax.tree_util.tree_leaves(value, is_leaf=is_node):
-            if is_node(leaf) or isinstance(leaf, nnx.Variable):
-                raise ValueError(
-                    _errors.static_graph_node(spec.transform, name, type(leaf).__name__)
-                )
-        try:
-            hash(value)
-        except TypeError as e:
-            raise ValueError(
-                _errors.bad_static(spec.transform, name, type(value).__name__, str(e))
-            ) from None
+    check_statics(spec.transform, statics)
 
     keyed, treedef = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs), is_leaf=is_node)
     wheres = [_where(kp, positions) for kp, _ in keyed]

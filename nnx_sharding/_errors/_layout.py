@@ -59,6 +59,13 @@ def mesh_fixes(action: str, example: str) -> list[str]:
     ]
 
 
+def static_argument_message(
+    transform: str, argument: str, problem: str, rule: str, fix: str, flax: str = ""
+) -> str:
+    """A static argument that cannot be one: `DYNAMIC_FIX`, then ``fix``, the other way."""
+    return format_message(transform, argument, [problem], rule, [DYNAMIC_FIX, fix], flax=flax)
+
+
 def bound_method_message(
     transform: str, argument: str, type_name: str, rule: str, fixes: Sequence[str]
 ) -> str:

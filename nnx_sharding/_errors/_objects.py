@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import DYNAMIC_FIX, bound_method_message, format_message, listing
+from ._layout import bound_method_message, format_message, listing, static_argument_message
 
 
 def static_graph_node(transform: str, argument: str, type_name: str) -> str:
-    return format_message(
+    return static_argument_message(
         transform,
         argument,
-        [f"a graph node ({type_name}) is a static argument"],
+        f"a graph node ({type_name}) is a static argument",
         "Rule: a static argument is compiled into the program as a constant; a graph "
         "node's Variables would be baked in, and their later updates ignored.",
-        [
-            DYNAMIC_FIX,
-            "to keep part of it static, pass that plain value (a flag, a config) instead.",
-        ],
+        "to keep part of it static, pass that plain value (a flag, a config) instead.",
     )
 
 

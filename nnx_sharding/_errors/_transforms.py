@@ -6,12 +6,12 @@ import re
 from collections.abc import Mapping, Sequence
 
 from ._layout import (
-    DYNAMIC_FIX,
     PAD_FIX,
     argument_differences,
     format_message,
     jax_said,
     quoted,
+    static_argument_message,
     with_article,
     wrap_in_spec,
 )
@@ -111,15 +111,12 @@ def spec_value_not_a_sharding(filter_: object, value: object) -> str:
 
 
 def bad_static(transform: str, argument: str, type_name: str, err: str) -> str:
-    return format_message(
+    return static_argument_message(
         transform,
         argument,
-        [f"the static argument of type {type_name} is not hashable ({err})"],
+        f"the static argument of type {type_name} is not hashable ({err})",
         "Rule: static arguments are part of the compilation key, so they must be hashable.",
-        [
-            DYNAMIC_FIX,
-            "convert it to a hashable value (a tuple instead of a list, a frozen dataclass).",
-        ],
+        "convert it to a hashable value (a tuple instead of a list, a frozen dataclass).",
         flax="Non-hashable static arguments are not supported",
     )
 
