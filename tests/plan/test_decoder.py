@@ -308,7 +308,7 @@ def test_the_builder_gives_the_step_its_abstract_arguments_and_model_flops():
          "DecoderConfig: activation='tanh' is not one of 'silu', 'gelu', 'relu'."),
         (lambda: dataclasses.replace(SMALL, attention="flash"),
          "DecoderConfig: attention='flash' is not one of 'auto', 'blockwise', 'splash', "
-         "'cudnn'."),
+         "'cudnn', 'triton'."),
         (lambda: dataclasses.replace(SMALL, layers=0),
          "DecoderConfig: layers=0; expected a positive integer."),
         (lambda: nnx_sharding.plan.remat_policy("dot"),
