@@ -59,8 +59,20 @@ def rank(knobs: Mapping[str, Any]) -> Rank:
 def no_faster(a: Rank, b: Rank) -> bool:
     """Whether point ``b`` recomputes and accumulates at least as much as ``a``: the
     planner takes it to be no faster (more remat recomputes, more microbatches repeat
-    the weights' reads and gathers; neither removes work)."""
-    return a.group == b.group and a.remat <= b.remat and a.microbatches <= b.microbatches
+    the weights' reads and gathers; neither removes work).
+
+    From no remat to a policy is the exception: saving fewer activations also writes
+    and reads fewer, which can outweigh the recomputation. Measured on an H200, a 1B
+    decoder's step took 321 ms without remat and 302 ms saving the matmuls' and the
+    attention's outputs; a 3B's 741 ms without and 707 ms with ``dots``. So ``none``
+    bounds only its own remat value; among policies, more remat was slower every time
+    (302, 345, 379 ms from ``dots_with_context`` to ``full``).
+
+    >>> no_faster(Rank((), 1, 1), Rank((), 3, 2)), no_faster(Rank((), 0, 1), Rank((), 1, 1))
+    (True, False)
+    """
+    remat = a.remat == b.remat or 0 < a.remat <= b.remat
+    return a.group == b.group and remat and a.microbatches <= b.microbatches
 
 
 def no_heavier(a: Rank, b: Rank) -> bool:

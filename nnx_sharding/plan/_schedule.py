@@ -246,13 +246,18 @@ class Schedule:
         )
 
     def _lattice_probes(self, lattice: Hashable, members: list[int]) -> list[int]:
-        """The lattice's probes: its fastest point, its lightest with microbatches, its
-        lightest without; fastest first until some fastest point did not fit. Fixed on
-        first use."""
+        """The lattice's probes: its fastest point (and, where that has no remat, its
+        lightest policy's fastest), its lightest with microbatches, its lightest
+        without; fastest first until some fastest point did not fit. Fixed on first
+        use."""
         if lattice in self._probes:
             return self._probes[lattice]
         ranks = {i: self.units[i][1] for i in members}
         fastest = min(members, key=lambda i: (ranks[i].remat, ranks[i].microbatches))
+        # without remat is not always fastest (`no_faster`): the lightest policy may be
+        policies = [i for i in members if ranks[i].remat > ranks[fastest].remat]
+        if policies:
+            fastest_policy = min(policies, key=lambda i: (ranks[i].remat, ranks[i].microbatches))
         many = [i for i in members if ranks[i].microbatches >= 2]
         one = [i for i in members if ranks[i].microbatches < 2]
         lightest = [
@@ -260,7 +265,8 @@ class Schedule:
             for group in (many, one)
             if group
         ]
-        order = [fastest, *lightest] if self._fast_first else [*lightest, fastest]
+        fast = [fastest, fastest_policy] if policies and ranks[fastest].remat == 0 else [fastest]
+        order = [*fast, *lightest] if self._fast_first else [*lightest, *fast]
         probes = list(dict.fromkeys(order))
         if any(i in self.outcomes or i in self.pruned for i in members):
             self._probes[lattice] = probes  # a lattice's order is fixed once it has begun

@@ -61,9 +61,10 @@ def search(
     alone exceeds the memory limit (exact); a point needing at least the memory of a
     compiled point that does not fit (more ``remat`` or ``microbatches`` needs no more
     memory: ``'memory'``); a point no faster than a compiled point that is no faster
-    than the fastest plan that fits (more ``remat`` or ``microbatches`` is no faster:
-    ``'time'``). From 1 to 2 microbatches is not taken to save memory (the gradients
-    accumulated can outweigh the activations halved). Both rules are checked against
+    than the fastest plan that fits (more ``remat``, from one policy to a heavier, or
+    more ``microbatches`` is no faster: ``'time'``). From 1 to 2 microbatches is not
+    taken to save memory (the gradients accumulated can outweigh the activations
+    halved). Both rules are checked against
     the points compiled, and dropped for a candidate whose points contradict them.
     ``prune=False`` compiles every point; ``prune='pareto'`` also leaves uncompiled the
     other points of a candidate that another beats on both memory and time at the same

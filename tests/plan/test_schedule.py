@@ -103,12 +103,13 @@ def test_the_fastest_fitting_point_is_found_and_what_is_pruned_is_so(limit):
 
 
 def test_pruning_compiles_a_fraction_of_the_points():
-    """12 candidates x 12 points: about 3 compiles a candidate where the limit bites,
-    one where every candidate fits at its fastest point."""
+    """12 candidates x 12 points: about 4 compiles a candidate where the limit bites,
+    two where every candidate fits at its fastest point (no remat, and the lightest
+    policy's, which can be faster: `no_faster`)."""
     counts = {}
     for limit in (80.0, 1e9):
         counts[limit] = [len(run(model(seed), limit)[0].outcomes) for seed in range(40)]
-    assert max(counts[1e9]) == 12  # the fastest point fits: the others are slower
+    assert max(counts[1e9]) == 24  # the two fastest points fit: the others are slower
     assert sum(counts[80.0]) / 40 < 0.35 * 144
 
 
@@ -159,8 +160,11 @@ def test_knob_points_are_the_product_in_the_order_given():
 
 
 def test_points_are_ordered_by_remat_and_microbatches_within_their_group():
-    a, b = rank({"remat": "none", "microbatches": 2}), rank({"remat": "full", "microbatches": 4})
+    a, b = rank({"remat": "dots", "microbatches": 2}), rank({"remat": "full", "microbatches": 4})
     assert no_faster(a, b) and no_heavier(a, b) and not no_faster(b, a)
+    none = rank({"remat": "none", "microbatches": 2})
+    assert no_heavier(none, b) and not no_faster(none, b)  # saving less can be faster
+    assert no_faster(none, rank({"remat": "none", "microbatches": 4}))
     other = rank({"remat": "none", "microbatches": 4, "dtype": "bf16"})
     assert not no_faster(a, other)  # another value of another knob: apart
     unknown = rank({"remat": "offload", "microbatches": 4})
@@ -229,13 +233,14 @@ def test_points_that_contradict_the_memory_rule_make_their_lattice_compile_it_al
 
 
 def test_points_that_contradict_the_time_rule_make_their_lattice_compile_it_all():
-    """The lightest point fits and is faster than the fastest (by 20 %): the time rule
-    is dropped for the lattice, and its other points are compiled too."""
+    """The lightest point fits and is faster than one with fewer microbatches (by
+    33 %): the time rule is dropped for the lattice along microbatches, and its other
+    points are compiled too."""
     figures = {("none", 2): (120.0, 1.0), ("none", 4): (110.0, 1.1)}
     figures |= {("full", 2): (105.0, 1.2), ("full", 4): (90.0, 0.8)}
     _, units, truth = lattice_after_a_large_model(figures)
     schedule = drive(units, truth, 100.0)
-    assert ("small", "remat") in schedule.distrusted["time"]
+    assert ("small", "microbatches") in schedule.distrusted["time"]
     assert set(schedule.outcomes) == {0, 1, 2, 3, 4} and not schedule.pruned
 
 

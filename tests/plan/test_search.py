@@ -157,7 +157,7 @@ def test_pruning_finds_the_best_of_every_point_and_compiles_less(every):
     best = min((p for p in every if p.memory.peak <= limit), key=lambda p: p.time.step)
     assert plans.best.time.step == best.time.step and plans.best.fits
     compiled = [p for p in plans if p.compiled]
-    assert len(compiled) < len(every) // 2
+    assert len(compiled) <= len(every) // 2
     for p in compiled:
         ref = reference[key(p)]
         assert (p.memory, p.flops, p.time) == (ref.memory, ref.flops, ref.time)
