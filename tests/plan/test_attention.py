@@ -70,25 +70,19 @@ def test_blockwise_memory_grows_linearly_with_the_sequence():
     assert temp["xla", 2048] - temp["xla", 1024] > scores, temp
 
 
-def test_the_splash_wrapper_computes_jaxs_attention_split_over_the_mesh():
-    """Pallas's splash kernel, interpreted on the CPU: its scaling, layout and grouped
-    heads as jax's attention; under a mesh, batch over ``data`` and heads over ``model``,
-    the 2 kv heads repeated where 4 ``model`` devices do not divide them."""
-    q, k, v, _ = qkv(2, 256, 4, 2, 128)
+@pytest.mark.parametrize(
+    ("kernel", "seq", "head_dim"),
+    [(_attention.splash_attention, 256, 128), (_attention.triton_attention, 128, 64)],
+    ids=["splash (TPU)", "triton (GPU)"],
+)
+def test_the_pallas_wrappers_compute_jaxs_attention_split_over_the_mesh(kernel, seq, head_dim):
+    """Pallas's splash kernel and its GPU flash-attention kernel, interpreted on the
+    CPU: their scaling, layout and grouped heads as jax's attention; under a mesh, batch
+    over ``data`` and heads over ``model``, the 2 kv heads repeated where 4 ``model``
+    devices do not divide them."""
+    q, k, v, _ = qkv(2, seq, 4, 2, head_dim)
     want = reference(q, k, v)
-    got = jax.jit(lambda q, k, v: _attention.splash_attention(q, k, v, interpret=True))
-    np.testing.assert_allclose(got(q, k, v), want, rtol=2e-5, atol=2e-5)
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    with jax.set_mesh(mesh):
-        np.testing.assert_allclose(got(q, k, v), want, rtol=2e-5, atol=2e-5)
-
-
-def test_the_triton_wrapper_computes_jaxs_attention_split_over_the_mesh():
-    """Pallas's GPU flash-attention kernel, interpreted on the CPU: its scaling, layout
-    and grouped heads (repeated) as jax's attention, alone and under a mesh."""
-    q, k, v, _ = qkv(2, 128, 4, 2, 64)
-    want = reference(q, k, v)
-    got = jax.jit(lambda q, k, v: _attention.triton_attention(q, k, v, interpret=True))
+    got = jax.jit(lambda q, k, v: kernel(q, k, v, interpret=True))
     np.testing.assert_allclose(got(q, k, v), want, rtol=2e-5, atol=2e-5)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     with jax.set_mesh(mesh):
