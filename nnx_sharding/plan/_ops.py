@@ -26,11 +26,12 @@ _BOOKKEEPING = frozenset(
         "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
         "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
         "add-dependency", "domain", "copy-start", "copy-done", "send", "send-done", "recv",
-        "recv-done", "async-update", "async-done",
+        "recv-done", "async-update", "async-done", "fusion-done",
     }
 )  # fmt: skip
 """Instructions that launch no kernel (or, ``copy-start``/``copy-done``, an
-asynchronous copy between memory spaces that overlaps the kernels)."""
+asynchronous copy between memory spaces that overlaps the kernels; ``fusion-done``,
+the end of a ``fusion-start``, which is the kernel)."""
 _COLLECTIVE = frozenset(KINDS) | {f"{k}-start" for k in KINDS} | {f"{k}-done" for k in KINDS}
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -120,13 +121,17 @@ def _bytes(ins: Instr, shapes: dict[tuple[str, str], str], code: dict[str, list[
     names = operands(ins.rest)
     sizes = [sum(shape_bytes(shapes.get((ins.computation, n), ""))) for n in names]
     written = float(sum(shape_bytes(ins.shape)))
+    if ins.opcode == "fusion-start":  # ((its operands), its result, a context): the result
+        each = shape_bytes(ins.shape)
+        operand_arrays = sum(len(shape_bytes(shapes.get((ins.computation, n), ""))) for n in names)
+        written = float(sum(each[operand_arrays:-1]))
     if ins.opcode == "custom-call" and "cublas" in ins.rest:  # (result, s8 workspace)
         written = float(shape_bytes(ins.shape)[0])
     if ins.opcode in ("dynamic-slice", "slice", "gather"):
         return 2.0 * written  # reads what it writes (and its indices, negligible)
     if ins.opcode == "dynamic-update-slice" and len(sizes) > 1:
         return 2.0 * sizes[1]  # in place: reads and writes the update
-    fused = _CALLS.search(ins.rest) if ins.opcode == "fusion" else None
+    fused = _CALLS.search(ins.rest) if ins.opcode in ("fusion", "fusion-start") else None
     if fused is None:
         return float(sum(sizes)) + written
     body = code.get(fused.group(1), [])

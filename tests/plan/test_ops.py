@@ -68,6 +68,24 @@ def test_a_fused_slice_reads_the_slice_and_an_in_place_update_writes_the_update(
     assert found["g"].bytes == activation + 4 + activation  # reads x and i, writes a layer
 
 
+def test_an_asynchronous_fusion_is_priced_as_the_fusion():
+    """A newer XLA for GPUs wraps some fusions as ``fusion-start``/``fusion-done``
+    (seen compiling on an H200 with jax 0.11.2): the start is the kernel, priced as the
+    fusion it calls (its result is the middle of its tuple, after its operands and
+    before a context); the done launches nothing."""
+    start = (
+        "%gs = ((f32[32,8,256]{2,1,0}, f32[8,256]{1,0}, s32[]), f32[32,8,256]{2,1,0}, u32[]) "
+        "fusion-start(%s, %f, %i), kind=kLoop, calls=%update"
+    )
+    text = SLICED.replace(
+        "ROOT %g = f32[32,8,256]{2,1,0} fusion(%s, %f, %i), kind=kLoop, calls=%update",
+        f"{start}\n  ROOT %g = f32[32,8,256]{{2,1,0}} fusion-done(%gs)",
+    )
+    found = {op.name: op for op in ops(text)}
+    assert set(found) == {"f", "gs"}
+    assert found["gs"].bytes == {op.name: op for op in ops(SLICED)}["g"].bytes
+
+
 def test_an_attention_kernel_counts_its_matmuls():
     """A fused attention (a Pallas or cuDNN kernel) hides its matmuls from the HLO: they
     are counted from q, k and v's shape, causal (half the blocks)."""
