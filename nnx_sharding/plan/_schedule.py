@@ -183,13 +183,15 @@ class Schedule:
         new = self.outcomes[i]
         if new.time is None or new.peak is None:
             return
+        mine = (new.peak, new.time)
         for j, old in self.outcomes.items():
             if j == i or old.time is None or old.peak is None:
                 continue
             if self.units[j][1] != self.units[i][1] or self.units[j][0] == self.units[i][0]:
                 continue
-            for (a, x), (b, y) in (((j, old), (i, new)), ((i, new), (j, old))):
-                if x.peak <= y.peak and x.time <= y.time and (x.peak, x.time) != (y.peak, y.time):
+            theirs = (old.peak, old.time)
+            for (a, x), (b, y) in (((j, theirs), (i, mine)), ((i, mine), (j, theirs))):
+                if x[0] <= y[0] and x[1] <= y[1] and x != y:
                     for k in self._lattices[self.units[b][0]]:
                         if self.is_open(k):
                             self.pruned[k] = Pruned("pareto", a)
@@ -254,10 +256,10 @@ class Schedule:
             return self._probes[lattice]
         ranks = {i: self.units[i][1] for i in members}
         fastest = min(members, key=lambda i: (ranks[i].remat, ranks[i].microbatches))
-        # without remat is not always fastest (`no_faster`): the lightest policy may be
+        fast = [fastest]
         policies = [i for i in members if ranks[i].remat > ranks[fastest].remat]
-        if policies:
-            fastest_policy = min(policies, key=lambda i: (ranks[i].remat, ranks[i].microbatches))
+        if policies and ranks[fastest].remat == 0:  # no remat is not always the fastest
+            fast.append(min(policies, key=lambda i: (ranks[i].remat, ranks[i].microbatches)))
         many = [i for i in members if ranks[i].microbatches >= 2]
         one = [i for i in members if ranks[i].microbatches < 2]
         lightest = [
@@ -265,7 +267,6 @@ class Schedule:
             for group in (many, one)
             if group
         ]
-        fast = [fastest, fastest_policy] if policies and ranks[fastest].remat == 0 else [fastest]
         order = [*fast, *lightest] if self._fast_first else [*lightest, *fast]
         probes = list(dict.fromkeys(order))
         if any(i in self.outcomes or i in self.pruned for i in members):
