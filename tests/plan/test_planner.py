@@ -16,6 +16,7 @@ from flax import nnx
 
 import nnx_sharding
 from nnx_sharding.plan import PRESETS, Plans
+from nnx_sharding.plan._plans import materialise
 
 
 class MLP(nnx.Module):
@@ -253,6 +254,26 @@ def test_measure_runs_the_best_plans_and_leaves_the_arguments_alone(small):
     after = jax.tree.map(np.asarray, nnx.state((model, optimizer)))
     jax.tree.map(np.testing.assert_array_equal, before, after)
     assert "measured" in str(plans)
+
+
+def test_measure_fills_abstract_arguments_with_small_positive_floats(small):
+    """Not zeros, which a GPU multiplies faster: abstract float arrays become
+    ``|N(0, 0.02²)|`` (positive, so that a second moment stays one), integers zeros,
+    laid out as the plan says."""
+    plans, model, optimizer, _ = small
+    plan = plans[0]
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    steps = jax.ShapeDtypeStruct((3,), jnp.int32)
+    abstract = nnx_sharding.plan(
+        lambda m, o, x, n: sgd_step(m, o, x), model, optimizer, x, steps, devices=8,
+        accelerator="cpu", layouts=[plan.layout], donate_argnums=(0, 1),
+    )  # fmt: skip
+    chosen = abstract[0]
+    args = materialise(abstract._step, chosen, chosen.mesh())
+    floats, ints = np.asarray(args[2]), np.asarray(args[3])
+    assert floats.min() > 0 and 0.005 < floats.mean() < 0.03
+    assert not ints.any() and ints.dtype == np.int32
+    assert args[2].sharding.spec == chosen.shardings(chosen.mesh())[2].spec
 
 
 def test_mesh_is_shaped_as_the_plan(small):
