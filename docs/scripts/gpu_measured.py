@@ -100,11 +100,9 @@ def plan_points(points, devices, accelerator, deadline=float("inf")):
             {"attention": [attention], "remat": [remat], "microbatches": [k]},
             devices=devices, accelerator=accelerator, layouts=["dp"], prune=False,
         )  # fmt: skip
-        plan = next(iter(plans))
         row = json.loads(plans.to_json())["plans"][0]
         row["compile_s"] = time.perf_counter() - start
         row["point"] = [attention, remat, k]
-        row["fits"] = plan.fits
         out.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     return out
