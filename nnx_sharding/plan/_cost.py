@@ -330,8 +330,12 @@ def _estimate(
         per_run[(op.computation, op.name)] = t / max(op.runs, 1)
     comms = exposed_critical = 0.0
     overlapped: dict[str, list[float]] = {}
-    for c in found:
-        seconds = collective_time(c, accelerator, topology, scale)
+    priced: dict[tuple[str, int, tuple[tuple[int, ...], ...]], float] = {}
+    for c in found:  # a scanned program's collectives repeat: each kind priced once
+        key = (c.kind, c.bytes, c.groups)
+        seconds = priced.get(key)
+        if seconds is None:
+            seconds = priced[key] = collective_time(c, accelerator, topology, scale)
         comms += seconds
         if critical(c, mesh_shape):  # less what runs beside it (a collective matmul's)
             room = sum(per_run.get((c.computation, name), 0.0) for name in c.beside)
