@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, TypeAlias
@@ -32,6 +34,9 @@ from ._schedule import Outcome, Schedule
 
 Builder: TypeAlias = Callable[[Mapping[str, Any]], Any]
 """``build(knobs)``, returning a `Built` (or a ``(step, args)`` pair)."""
+WORKERS = 2
+"""Compiles at a time: while one is traced and lowered (Python, holding the GIL), the
+other is in the compiler (which releases it)."""
 ADVICE_COMPILES = 6
 """At most this many extra points are compiled to say what would fit when nothing does."""
 
@@ -248,25 +253,34 @@ def precheck(step: Step, candidate: Candidate, prune: bool | str) -> Plan | None
 def drive(
     schedule: Schedule, work: Sequence[tuple[Step, Candidate]], progress: bool
 ) -> dict[int, Plan]:
-    """Compiles the units ``schedule`` gives, two at a time (one traced while the other
-    compiles), with the compilers' output captured; the compiled plans by unit."""
+    """Compiles the units ``schedule`` gives, `WORKERS` at a time (one traced while the
+    other compiles), with the compilers' output captured, each worker with its own GPU
+    kernel cache (`compiler_options`); the compiled plans by unit."""
     done: dict[int, Plan] = {}
     bar = _Bar(progress, schedule.open_count())
-    with bar, capturing(), ThreadPoolExecutor(max_workers=2) as pool:
-        running: dict[Any, int] = {}
+    with (
+        bar,
+        capturing(),
+        tempfile.TemporaryDirectory(prefix="nnx_sharding-kernels-") as folder,
+        ThreadPoolExecutor(max_workers=WORKERS) as pool,
+    ):
+        free = [os.path.join(folder, f"kernels-{k}.bin") for k in range(WORKERS)]
+        running: dict[Any, tuple[int, str]] = {}
         try:
             while True:
-                while len(running) < 2:
-                    i = schedule.next(busy=list(running.values()))
+                while free:
+                    i = schedule.next(busy=[i for i, _ in running.values()])
                     if i is None:
                         break
-                    running[pool.submit(compile_candidate, *work[i])] = i
+                    kernels = free.pop()
+                    running[pool.submit(compile_candidate, *work[i], kernels)] = (i, kernels)
                     bar.show(work[i][1], work[i][0].knobs)
                 if not running:
                     break
                 finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for future in finished:
-                    i = running.pop(future)
+                    i, kernels = running.pop(future)
+                    free.append(kernels)
                     plan = done[i] = future.result()
                     before = len(schedule.pruned)
                     schedule.record(i, _outcome(plan))

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import nnx_sharding
+from nnx_sharding.plan import _compile, _search
 from nnx_sharding.plan._devices import has_gpu_compiler, has_tpu_compiler
 
 TARGETS = [
@@ -137,3 +138,35 @@ def test_ci_has_both_compilers():
     assert (has_tpu_compiler(), has_gpu_compiler()) == (True, True), (
         "run `python -m nnx_sharding compilers --install` before the tests"
     )
+
+
+@pytest.mark.skipif(not has_gpu_compiler(), reason="needs the GPU compiler")
+def test_the_gpu_kernel_cache_is_written_and_changes_no_figure(monkeypatch):
+    """The search gives each compile a GPU kernel cache file: the compiler writes its
+    kernels there, and every figure of every plan is what it is without the cache."""
+    model = nnx.eval_shape(lambda: nnx.Linear(256, 256, rngs=nnx.Rngs(0)))
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
+
+    def plan() -> list[tuple]:
+        plans = nnx_sharding.plan(
+            lambda m, x: (m(x) ** 2).mean(), model, x, devices=8, accelerator="h100",
+            layouts=["dp", "fsdp"],
+        )  # fmt: skip
+        assert plans and all(p.compiled for p in plans)
+        return [(p.label, p.memory, p.flops, p.collectives, p.time) for p in plans]
+
+    written: list[int] = []
+    real = _search.compile_candidate
+
+    def spy(step, candidate, kernels=None):
+        plan = real(step, candidate, kernels)
+        written.append(os.path.getsize(kernels))
+        return plan
+
+    monkeypatch.setattr(_search, "compile_candidate", spy)
+    cached = plan()
+    assert len(written) == 2 and min(written) > 0  # the compiler wrote its kernels
+    monkeypatch.setattr(_search, "compile_candidate", real)
+    monkeypatch.setattr(_compile, "compiler_options", lambda compiler, kernels: None)
+    assert plan() == cached  # the reference: no cache
+    assert _compile.compiler_options("tpu", "kernels.bin") is None  # GPU only
