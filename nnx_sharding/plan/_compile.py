@@ -208,6 +208,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         outputs=int(stats.output_size_in_bytes),
         alias=int(stats.alias_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),
+        reported_peak=reported_peak(step.compiler, stats),
     )
     if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
         flops = _flops.dot_flops(text)
@@ -220,7 +221,9 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         notes += [note] if note else []
     notes += check_memory(memory, flops)
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
-        memory = dataclasses.replace(memory, arguments=state)
+        more = state - memory.arguments
+        reported = None if memory.reported_peak is None else memory.reported_peak + more
+        memory = dataclasses.replace(memory, arguments=state, reported_peak=reported)
     instrs = list(_hlo.instructions(text))
     hidden = _flow.hidden(instrs)
     found = [
@@ -261,6 +264,12 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         state_bytes=state,
         program=program,
     )
+
+
+def reported_peak(compiler: str, stats: Any) -> int | None:
+    """The compiler's own peak where `Memory` keeps it (the TPU compiler's), else None."""
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    return peak if compiler == "tpu" and peak > 0 else None
 
 
 def compiler_options(compiler: str, kernels: str | None) -> dict[str, Any] | None:

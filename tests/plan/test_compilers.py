@@ -170,3 +170,38 @@ def test_the_gpu_kernel_cache_is_written_and_changes_no_figure(monkeypatch):
     monkeypatch.setattr(_compile, "compiler_options", lambda compiler, kernels: None)
     assert plan() == cached  # the reference: no cache
     assert _compile.compiler_options("tpu", "kernels.bin") is None  # GPU only
+
+
+@pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
+def test_a_tpu_plans_peak_is_the_compilers_own_not_the_sum_of_its_parts(monkeypatch):
+    """The TPU compiler's ``temp_size_in_bytes`` counts its temporaries' fragmentation
+    twice: the plan's peak is the compiler's ``peak_memory_in_bytes``, which here differs
+    from arguments + outputs - alias + temp."""
+
+    class Stack(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros((4, 2048, 2048)))
+
+    def loss(model: Stack, x: jax.Array) -> jax.Array:
+        h = x
+        for i in range(4):
+            h = jnp.tanh(h @ model.w[i])
+        return (h**2).mean()
+
+    seen: list = []
+    real = _compile.reported_peak
+    monkeypatch.setattr(
+        _compile,
+        "reported_peak",
+        lambda compiler, stats: seen.append(stats) or real(compiler, stats),
+    )
+    x = jax.ShapeDtypeStruct((8 * 4096, 2048), jnp.float32)
+    plans = nnx_sharding.plan(
+        nnx.grad(loss), nnx.eval_shape(Stack), x, devices=8, accelerator="v5e:2x4", layouts=["dp"]
+    )
+    (stats,) = seen
+    parts = (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+    )  # fmt: skip
+    assert plans[0].memory.peak == stats.peak_memory_in_bytes != parts
