@@ -15,9 +15,11 @@ the target's own compiler for compile-only devices. The published step time is M
 count (``6·N·tokens + 6·heads·layers·head_dim·seq²·batch`` per device, of its date)
 over the published TFLOP/s per device.
 
-The GPU run is compiled with the XLA flags its script set (those this XLA still has);
-the TPU scripts' ``LIBTPU_INIT_ARGS`` are not set: the compile-only TPU compiler does
-not read them.
+Each run is compiled with the compiler flags its script set: the GPU run's
+``XLA_FLAGS`` (those this XLA still has) in the environment, the 32B run's
+``LIBTPU_INIT_ARGS`` as ``compiler_options`` (the compile-only TPU compiler does not read
+the environment variable, but takes the same flags as options); the held-out 16B run is
+compiled with the compiler's defaults.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ class Run:
     def published_step(self) -> float:
         return self.model_flops / (self.published_tflops * 1e12)
 
+    @property
+    def gpu(self) -> bool:
+        return self.accelerator in ("h100", "h200")
+
+    @property
+    def compiler_options(self) -> dict[str, bool | str]:
+        """A TPU run's flags as the compiler options `plan` passes on (``jax.jit``'s)."""
+        if self.gpu:
+            return {}
+        pairs = (flag.removeprefix("--").split("=", 1) for flag in self.flags.split())
+        return {k: {"true": True, "false": False}.get(v, v) for k, v in pairs}
+
 
 # The XLA flags of 1vm.sh that this XLA still has (it dropped --xla_gpu_graph_level and
 # --xla_gpu_enable_triton_softmax_fusion): cuBLAS GEMMs, no compiler rematerialization,
@@ -102,6 +116,19 @@ A3_FLAGS = " ".join(
     --xla_disable_hlo_passes=rematerialization""".split()
 )
 
+# The LIBTPU_INIT_ARGS of v5p/32b.sh: collectives made asynchronous and fused with
+# the matmuls they feed, the data-parallel all-reduce optimised.
+V5P_FLAGS = " ".join(
+    """--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true
+    --xla_tpu_megacore_fusion_allow_ags=false --xla_enable_async_collective_permute=true
+    --xla_tpu_enable_ag_backward_pipelining=true
+    --xla_tpu_enable_data_parallel_all_reduce_opt=true
+    --xla_tpu_data_parallel_opt_different_sized_ops=true
+    --xla_tpu_enable_async_collective_fusion=true
+    --xla_tpu_enable_async_collective_fusion_multiple_steps=true
+    --xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true""".split()
+)
+
 RUNS = {
     r.name: r
     for r in (
@@ -114,7 +141,7 @@ RUNS = {
         Run("maxtext-32b", "MaxText configs/v5p/32b.sh (1x v5p-128, 328 TFLOP/s/chip)",
             "v5p:4x4x4", 64, "fsdp+tp", {"fsdp": 16, "model": 4}, 32768, 10240, 32, 256,
             32768, 32, 2048, 8, glu=False, parallel=True, tied=True, remat="dots",
-            published_tflops=328.0),
+            published_tflops=328.0, flags=V5P_FLAGS),
         # MaxText configs/v5e/16b.sh and README.md: 120 TFLOP/s (global_parameter_scale 16).
         Run("maxtext-16b", "MaxText configs/v5e/16b.sh (1x v5e-256, 120 TFLOP/s/chip)",
             "v5e:16x16", 256, "fsdp", {"fsdp": 256}, 32768, 5120, 32, 256, 32768, 32, 2048,
@@ -262,38 +289,38 @@ def build(run: Run):
 
 
 def plan_run(run: Run, hlo: Path | None = None):
-    """The run's one plan: its layout on its exact mesh, compiled for the target.
-
-    Until `plan` takes an exact mesh itself (``layouts=[("fsdp+tp", {"fsdp": 16,
-    "model": 4})]``), the planner's candidates are narrowed to the published one here;
-    the optimized HLO is kept (``--hlo``) by watching what the planner reads."""
+    """The run's one plan: its layout on its exact mesh, compiled for the target; the
+    optimized HLO is kept (``--hlo``) by watching what the planner reads."""
     import nnx_sharding
-    from nnx_sharding.plan import _hlo, _planner
-    from nnx_sharding.plan._layouts import Candidate
+    from nnx_sharding.plan import _hlo
 
     model, optimizer, tokens, step, rules = build(run)
     assert sum(math.prod(v.get_value().shape) for _, v in nnx_params(model)) == run.params
-    exact = [Candidate(run.layout, dict(run.mesh))]
     saved: list[str] = []
-    original_candidates, original_collectives = _planner.candidates, _hlo.collectives
+    original_collectives = _hlo.collectives
 
     def spy(text, n):
         saved.append(text)
         return original_collectives(text, n)
 
-    _planner.candidates = lambda n, layouts=None: exact  # one exact mesh
     _hlo.collectives = spy
     try:
         plans = nnx_sharding.plan(
             step, model, optimizer, tokens, devices=run.devices, accelerator=run.accelerator,
-            layouts=[run.layout], rules=rules, donate_argnums=(0, 1),
+            layouts=[(run.layout, dict(run.mesh))], rules=rules, donate_argnums=(0, 1),
+            **options(run),
         )  # fmt: skip
     finally:
-        _planner.candidates, _hlo.collectives = original_candidates, original_collectives
+        _hlo.collectives = original_collectives
     if hlo is not None and saved:
         hlo.mkdir(parents=True, exist_ok=True)
         (hlo / f"{run.name}.hlo.txt").write_text(saved[-1])
     return plans[0]
+
+
+def options(run: Run) -> dict:
+    """``compiler_options=`` where the run has any (its TPU flags), else nothing."""
+    return {"compiler_options": run.compiler_options} if run.compiler_options else {}
 
 
 def search_run(run: Run):
@@ -304,7 +331,7 @@ def search_run(run: Run):
     model, optimizer, tokens, step, rules = build(run)
     plans = nnx_sharding.plan(
         step, model, optimizer, tokens, devices=run.devices, accelerator=run.accelerator,
-        rules=rules, donate_argnums=(0, 1),
+        rules=rules, donate_argnums=(0, 1), **options(run),
     )  # fmt: skip
     print(plans, flush=True)
     published = next(p for p in plans if dict(p.mesh_shape) == dict(run.mesh))
@@ -343,9 +370,8 @@ def main(argv: list[str]) -> int:
         return 0
     for name in args.runs:
         run = RUNS[name]
-        if run.flags:
-            key = "XLA_FLAGS" if RUNS[name].accelerator in ("h100", "h200") else "LIBTPU_INIT_ARGS"
-            os.environ[key] = (os.environ.get(key, "") + " " + run.flags).strip()
+        if run.flags and run.gpu:  # read when jax starts the GPU compiler
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + run.flags).strip()
         if args.search:
             row = search_run(run)
             print(json.dumps(row, indent=1), flush=True)
