@@ -1,12 +1,14 @@
 """The cost model against published, measured runs (docs/planning.md, "Predictions
 against published runs"): each run, planned exactly as published (its one mesh, remat
-policy, dtypes, batch) and compiled for its target with no device, is predicted within
-15 % of its published step time, and its range holds the published time.
+policy, dtypes, batch, compiler flags) and compiled for its target with no device, fits
+as it ran, is predicted within 15 % of its published step time, and its range holds
+the published time.
 
-Each run compiles a 7B-32B parameter step: minutes on two cores. They run where
-``NNX_SHARDING_CALIBRATION=1`` is set (and the target's compiler is installed), each in
-a process of its own (a run's published XLA flags are read when jax starts), by
-``docs/scripts/calibration.py``, which rebuilds the runs.
+The 7B-32B steps are compiled by ``docs/scripts/calibration.py``, which rebuilds the
+runs, each in a process of its own (a run's published XLA flags are read when jax
+starts), where the target's compiler is installed. Their layers are scanned, so a
+compile takes the time of one layer's program: the three took 69 s together on two
+idle cores.
 """
 
 from __future__ import annotations
@@ -29,10 +31,6 @@ RUNS = [
     pytest.param("maxtext-32b", "tpu", marks=TPU),  # v5p-128, FSDP x TP: the TPUs'
     pytest.param("maxtext-16b", "tpu", marks=TPU),  # v5e-256, FSDP: held out, sets nothing
 ]
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("NNX_SHARDING_CALIBRATION"),
-    reason="compiles 7B-32B steps for minutes: set NNX_SHARDING_CALIBRATION=1",
-)
 
 
 @pytest.mark.parametrize(("run", "compiler"), RUNS)
@@ -47,5 +45,6 @@ def test_a_published_run_is_predicted_within_15_percent(run, compiler, tmp_path)
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["compiler"] == compiler
     assert row["time"] is not None, row["reason"]
+    assert row["reason"] is None, row  # it fits, as it ran
     assert abs(row["ratio"] - 1) <= 0.15, row
     assert row["step_low"] <= row["published_step"] <= row["step_high"], row
