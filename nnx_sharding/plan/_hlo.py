@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TypeAlias
 
 import numpy as np
@@ -40,6 +40,7 @@ _CALLED = re.compile(
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _INTEGER = re.compile(r"[su](8|16|32|64)\[\]")
+_REMAT_COPY = re.compile(r"\.remat\d*(?:\.|$)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,18 @@ class Instr:
     rest: str
     computation: str
     root: bool = False
+
+
+def remat_copies(names: Iterable[str]) -> int:
+    """How many of the instruction ``names`` are copies made by the compiler's own
+    rematerialization (XLA names them ``NAME.remat``, ``NAME.remat2``, ...), which
+    recomputes where the program is over the device's memory; a step's remat policy
+    makes none (jax recomputes in the program it writes).
+
+    >>> remat_copies(["fusion.3.remat", "bitcast.remat.1", "dot.2", "remat_loop"])
+    2
+    """
+    return sum(1 for name in names if _REMAT_COPY.search(name))
 
 
 def shape_bytes(shape: str) -> list[int]:

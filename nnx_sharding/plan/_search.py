@@ -25,6 +25,7 @@ from .._units import format_bytes, format_seconds
 from ._built import Built
 from ._capture import capturing
 from ._compile import Step, compile_candidate, in_shardings, listed, state_bytes
+from ._hlo import remat_copies
 from ._knobs import Reads, check_microbatches, extensions, label, points, rank
 from ._layouts import DATA_AXES, Candidate, LayoutSpec, Rules, candidates
 from ._plan import Plan
@@ -295,7 +296,11 @@ def drive(
 def _outcome(plan: Plan) -> Outcome:
     if plan.memory is None or plan.time is None:
         return Outcome(None)
-    return Outcome(plan.fits, plan.time.step, plan.memory.peak)
+    program = plan.program
+    names = (
+        [k.name for k in program.kernels] + [c.name for c in program.collectives] if program else []
+    )
+    return Outcome(plan.fits, plan.time.step, plan.memory.peak, remat_copies(names) > 0)
 
 
 def _pruned(
