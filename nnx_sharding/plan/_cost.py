@@ -46,22 +46,11 @@ from ._ops import Op
 class Memory:
     """Per-device bytes of one step: ``state`` (the graph nodes' Variables, from the
     shardings), and from the compiler's ``memory_analysis``: ``arguments`` (all
-    inputs), ``outputs``, ``alias`` (outputs written into donated inputs), ``temp``;
-    ``peak`` = arguments + outputs - alias + temp, or ``reported_peak`` where the
-    compiler's own count is kept.
-
-    The TPU compiler's own (``peak_memory_in_bytes``) is kept: its ``temp`` counts the
-    temporaries' fragmentation twice. For the 32B calibration run (v5p, FSDP 16 ×
-    tensor 4) libtpu's log gives 79.78 GiB of program (fragmentation 12.17 GiB
-    included) and 5.68 GiB of arguments; ``temp`` is 91.92 GiB (79.75 + 12.17), the
-    sum above 97.6 GiB, ``peak_memory_in_bytes`` 84.97 GiB, and the run fit on a
-    95 GiB chip as published. The GPU compiler's equals the sum (checked); the CPU
-    compiler's falls below its own arguments, so neither is kept.
+    inputs), ``outputs``, ``alias`` (outputs written into donated inputs), ``temp``
+    (see `_compile.temporaries`); ``peak`` = arguments + outputs - alias + temp.
 
     >>> Memory(state=8, arguments=8, outputs=8, alias=8, temp=4).peak
     12
-    >>> Memory(state=8, arguments=8, outputs=8, alias=8, temp=4, reported_peak=10).peak
-    10
     """
 
     state: int
@@ -69,12 +58,9 @@ class Memory:
     outputs: int
     alias: int
     temp: int
-    reported_peak: int | None = None
 
     @property
     def peak(self) -> int:
-        if self.reported_peak is not None:
-            return self.reported_peak
         return self.arguments + self.outputs - self.alias + self.temp
 
 
