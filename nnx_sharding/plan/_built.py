@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -16,6 +16,8 @@ class Built:
     each layout. ``model_flops`` is the step's useful work counted from the model (for
     a decoder ``6·N·tokens`` plus attention), the numerator of the model TFLOP/s
     that published runs report; ``None`` where the builder does not know it.
+    ``rules``: the logical axis rules of the step's sharding metadata, which `search`
+    uses where it is given none (`decoder_builder` gives `DECODER_RULES`).
 
     >>> Built(lambda x: x, (1.0,)).jit_options
     {}
@@ -25,3 +27,4 @@ class Built:
     args: tuple[Any, ...]
     jit_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model_flops: float | None = None
+    rules: Sequence[tuple[str, str | None]] | None = None

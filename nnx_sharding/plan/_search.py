@@ -201,7 +201,8 @@ def make_step(
         built = Built(built[0], tuple(built[1]))
     if not isinstance(built, Built):
         raise TypeError(_errors.search_bad_built(label(knobs), built))
-    step = prepare(built.step, built.args, built.jit_options, target, rules, tp_cache)
+    given = rules if rules is not None else built.rules  # the builder's, unless given
+    step = prepare(built.step, built.args, built.jit_options, target, given, tp_cache)
     check_microbatches(knobs, batch_of(step))
     return dataclasses.replace(step, knobs=dict(knobs), model_flops=built.model_flops)
 

@@ -23,7 +23,7 @@ from flax import nnx
 from .. import _errors
 from ._activations import activation_spec
 from ._built import Built
-from ._decoder import Decoder, DecoderConfig, loss_fn
+from ._decoder import DECODER_RULES, Decoder, DecoderConfig, loss_fn
 
 KNOBS: dict[str, Any] = {"remat": "none", "microbatches": 1}
 """The knobs `decoder_builder`'s ``build`` takes, and their defaults."""
@@ -107,8 +107,9 @@ def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Buil
     with ``knobs`` applied (``remat``: a name in `REMAT_POLICIES`, default ``'none'``;
     ``microbatches``: gradient accumulation, default 1), its abstract arguments (the
     model, the optimizer, the ``(batch, seq_len + 1)`` int32 tokens; built with
-    ``nnx.eval_shape``, never allocated), ``donate_argnums=(0, 1)`` and
-    `DecoderConfig.model_flops`.
+    ``nnx.eval_shape``, never allocated), ``donate_argnums=(0, 1)``,
+    `DecoderConfig.model_flops` and `DECODER_RULES` (which `search` uses unless given
+    other ``rules``).
 
     >>> from nnx_sharding.plan import DECODER_CONFIGS
     >>> build = decoder_builder(DECODER_CONFIGS['tiny'])
@@ -142,6 +143,7 @@ def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Buil
             args=(model, optimizer, tokens),
             jit_options={"donate_argnums": (0, 1)},
             model_flops=c.model_flops(),
+            rules=DECODER_RULES,
         )
 
     return build

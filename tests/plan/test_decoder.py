@@ -22,6 +22,7 @@ from nnx_sharding.plan import (
     DecoderConfig,
     constrain_activation,
     decoder_builder,
+    search,
 )
 from nnx_sharding.plan._activations import activation_spec
 from nnx_sharding.plan._layouts import Candidate, metadata_tp, node_specs
@@ -319,3 +320,17 @@ def test_bad_knobs_and_configs_are_one_line_errors(call, message):
     with pytest.raises(ValueError) as info:
         call()
     assert str(info.value) == message
+
+
+def test_the_builder_carries_the_decoders_rules_to_search():
+    """`search` shards the decoder by `DECODER_RULES` without being given them (the
+    embedding split over ``model`` too), as the command line does; a builder whose
+    `Built` carries no rules is the reference: the jaxpr analysis alone holds more."""
+    c = dataclasses.replace(SMALL, vocab=96, batch=8)
+    exact = [("fsdp+tp", {"fsdp": 4, "model": 2})]
+    carried = search(decoder_builder(c), devices=8, layouts=exact)
+    given = search(decoder_builder(c), devices=8, layouts=exact, rules=DECODER_RULES)
+    bare = search(lambda k: dataclasses.replace(decoder_builder(c)(k), rules=None), devices=8,
+                  layouts=exact)  # fmt: skip
+    assert carried[0].memory == given[0].memory
+    assert carried[0].memory.state < bare[0].memory.state
