@@ -92,12 +92,13 @@ class Run:
         return self.accelerator in ("h100", "h200")
 
     @property
-    def compiler_options(self) -> dict[str, bool | str]:
-        """A TPU run's flags as the compiler options `plan` passes on (``jax.jit``'s)."""
-        if self.gpu:
+    def jit_options(self) -> dict[str, dict[str, bool | str]]:
+        """A TPU run's flags as ``compiler_options`` (``jax.jit``'s, which `plan` passes
+        on); nothing for a GPU run, whose flags are read from ``XLA_FLAGS``."""
+        if self.gpu or not self.flags:
             return {}
         pairs = (flag.removeprefix("--").split("=", 1) for flag in self.flags.split())
-        return {k: {"true": True, "false": False}.get(v, v) for k, v in pairs}
+        return {"compiler_options": {k: {"true": True, "false": False}.get(v, v) for k, v in pairs}}
 
 
 # The XLA flags of 1vm.sh that this XLA still has (it dropped --xla_gpu_graph_level and
@@ -308,7 +309,7 @@ def plan_run(run: Run, hlo: Path | None = None):
         plans = nnx_sharding.plan(
             step, model, optimizer, tokens, devices=run.devices, accelerator=run.accelerator,
             layouts=[(run.layout, dict(run.mesh))], rules=rules, donate_argnums=(0, 1),
-            **options(run),
+            **run.jit_options,
         )  # fmt: skip
     finally:
         _hlo.collectives = original_collectives
@@ -316,11 +317,6 @@ def plan_run(run: Run, hlo: Path | None = None):
         hlo.mkdir(parents=True, exist_ok=True)
         (hlo / f"{run.name}.hlo.txt").write_text(saved[-1])
     return plans[0]
-
-
-def options(run: Run) -> dict:
-    """``compiler_options=`` where the run has any (its TPU flags), else nothing."""
-    return {"compiler_options": run.compiler_options} if run.compiler_options else {}
 
 
 def search_run(run: Run):
@@ -331,7 +327,7 @@ def search_run(run: Run):
     model, optimizer, tokens, step, rules = build(run)
     plans = nnx_sharding.plan(
         step, model, optimizer, tokens, devices=run.devices, accelerator=run.accelerator,
-        rules=rules, donate_argnums=(0, 1), **options(run),
+        rules=rules, donate_argnums=(0, 1), **run.jit_options,
     )  # fmt: skip
     print(plans, flush=True)
     published = next(p for p in plans if dict(p.mesh_shape) == dict(run.mesh))

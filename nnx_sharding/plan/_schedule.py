@@ -69,7 +69,7 @@ MEMORY_TOLERANCE = 0.01
 class Outcome:
     """A compiled unit: whether it fits (None: it could not be compiled), its predicted
     step time and peak bytes, and whether the compiler ``squeezed`` it (recomputed on
-    its own to bring it under the device's memory: `_hlo.SQUEEZED`), so that its time
+    its own to bring it under the device's memory: `_hlo.remat_copies`), so that its time
     is not its knobs' alone and bounds nothing by the time rule."""
 
     fits: bool | None

@@ -271,7 +271,7 @@ def drive(
         try:
             while True:
                 while free:
-                    i = schedule.next(busy=[i for i, _ in running.values()])
+                    i = schedule.next(busy=[unit for unit, _ in running.values()])
                     if i is None:
                         break
                     kernels = free.pop()
