@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import nnx_sharding
 from nnx_sharding._cli.aot import aot_main, aot_report
 from nnx_sharding._units import format_bytes
-from nnx_sharding.plan._decoder import CONFIGS
+from nnx_sharding.plan._decoder.model import CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from nnx_sharding._errors import _objects, _partial, _prefixes, _tools, _transforms
+from nnx_sharding._errors import objects, partial, prefixes, tools, transforms
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -1036,7 +1036,7 @@ def _builders(module: object) -> set[str]:
 
 def test_every_message_is_classified() -> None:
     """A new message builder must get a case (its fixes have code) or join PROSE."""
-    modules = (_objects, _partial, _prefixes, _tools, _transforms)
+    modules = (objects, partial, prefixes, tools, transforms)
     builders = set().union(*map(_builders, modules))
     tested = {case.builder for case in CASES}
     assert builders - tested - PROSE == set()

@@ -28,7 +28,7 @@ from .. import _errors
 from .._jit import jit
 from .._metadata import shard
 from .._units import format_bytes
-from ..plan._decoder import CONFIGS, LOGICAL_AXES, Decoder, DecoderConfig, train_step
+from ..plan._decoder.model import CONFIGS, LOGICAL_AXES, Decoder, DecoderConfig, train_step
 from ..recipes._specs import make_mesh
 from .common import (
     MESH_AXES,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from ..plan._plugins import (
+from ..plan._hardware.compilers import (
     COMPILERS,
     DIR_ENV,
     compilers_dir,

@@ -38,7 +38,7 @@ MAX_DEVICES = 1024
 
 
 def _size(text: str) -> int:
-    from ..plan._cost import parse_bytes
+    from ..plan._cost.model import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -50,8 +50,8 @@ def _size(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The command's options."""
-    from ..plan._decoder import CONFIGS
-    from ..plan._layouts import LAYOUTS
+    from ..plan._decoder.model import CONFIGS
+    from ..plan._search.layouts import LAYOUTS
 
     p = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
     p.add_argument("--config", default="1b", choices=list(CONFIGS), help="the decoder (1b)")
@@ -152,7 +152,7 @@ def _counts(text: str) -> list[int]:
 
 
 def _knob(text: str) -> tuple[str, list[Any]]:
-    from ..plan._knobs import parse_value
+    from ..plan._search.knobs import parse_value
 
     name, eq, values = text.partition("=")
     if not eq or not name.strip().isidentifier():
@@ -169,14 +169,14 @@ def main(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     if (args.tokens is None) != (args.days is None):
         p.error("--tokens and --days go together")
-    from ..plan._accelerator import resolve_accelerator
-    from ..plan._devices import has_gpu_compiler, has_tpu_compiler
-    from ..plan._layouts import LAYOUTS
+    from ..plan._hardware.accelerators import resolve_accelerator
+    from ..plan._hardware.devices import has_gpu_compiler, has_tpu_compiler
+    from ..plan._search.layouts import LAYOUTS
 
     try:
         accelerator, topology = resolve_accelerator(args.accelerator)
     except ValueError:
-        from ..plan._accelerator import PRESETS
+        from ..plan._hardware.accelerators import PRESETS
 
         p.error(
             f"unknown --accelerator {args.accelerator!r}; choose a preset "
@@ -186,7 +186,7 @@ def main(argv: Sequence[str]) -> int:
     if layouts and (wrong := [x for x in layouts if x not in LAYOUTS]):
         p.error(f"unknown --layouts {','.join(wrong)}; choose among {','.join(LAYOUTS)}")
     if topology is not None and args.devices is None:
-        from ..plan._planner import default_device_count
+        from ..plan._search.prepare import default_device_count
 
         devices = default_device_count(topology, args.num_slices)
     else:
@@ -251,7 +251,7 @@ def _user_builder(p: argparse.ArgumentParser, spec: str) -> Any:
 def _config(p: argparse.ArgumentParser, args: argparse.Namespace, devices: int) -> Any:
     """The decoder's config with the command's sizes; a size the decoder does not have
     is an error naming the ones it has."""
-    from ..plan._decoder import CONFIGS
+    from ..plan._decoder.model import CONFIGS
 
     config = CONFIGS[args.config]
     fields = {f.name for f in dataclasses.fields(config)}
@@ -281,8 +281,8 @@ def _run(
 ) -> int:
     from rich.console import Console
 
-    from ..plan._decoder import DECODER_RULES
-    from ..plan._search import search
+    from ..plan._decoder.model import DECODER_RULES
+    from ..plan._search.search import search
 
     console = Console(width=max(Console().width, 260))  # the table's width
     if builder is None:
@@ -337,8 +337,8 @@ def _run(
 
 def _decoder_builder(config: Any) -> Any:
     """The decoder's builder (`decoder_builder`), declaring the remat policies it takes."""
-    from ..plan._remat import REMAT_POLICIES
-    from ..plan._steps import decoder_builder
+    from ..plan._decoder.remat import REMAT_POLICIES
+    from ..plan._decoder.training import decoder_builder
 
     build = decoder_builder(config)
     build.choices = {"remat": list(REMAT_POLICIES)}  # type: ignore[attr-defined]

@@ -9,15 +9,15 @@ objects (`_objects`), the tools around them (`_tools`) and checkpoints
 ``_errors.<builder>``.
 """
 
-from ._checkpoint import *  # noqa: F403
-from ._decoder import *  # noqa: F403
-from ._layout import format_message as format_message
-from ._objects import *  # noqa: F403
-from ._partial import *  # noqa: F403
-from ._plan import *  # noqa: F403
-from ._plan_hardware import *  # noqa: F403
-from ._prefixes import *  # noqa: F403
-from ._search import *  # noqa: F403
-from ._simple import *  # noqa: F403
-from ._tools import *  # noqa: F403
-from ._transforms import *  # noqa: F403
+from .checkpoint import *  # noqa: F403
+from .layout import format_message as format_message
+from .objects import *  # noqa: F403
+from .partial import *  # noqa: F403
+from .plan import *  # noqa: F403
+from .plan_decoder import *  # noqa: F403
+from .plan_hardware import *  # noqa: F403
+from .plan_search import *  # noqa: F403
+from .prefixes import *  # noqa: F403
+from .simple import *  # noqa: F403
+from .tools import *  # noqa: F403
+from .transforms import *  # noqa: F403

@@ -18,30 +18,30 @@ import sys
 import types
 from typing import Any
 
-from ._accelerator import PRESETS as PRESETS
-from ._accelerator import Accelerator as Accelerator
-from ._activations import ACTIVATION_RULES as ACTIVATION_RULES
-from ._activations import constrain as constrain_activation
-from ._attention import attention as causal_attention
-from ._attention import blockwise_attention as blockwise_attention
 from ._built import Built as Built
-from ._cost import Memory as Memory
-from ._cost import Time as Time
-from ._decoder import CONFIGS as DECODER_CONFIGS
-from ._decoder import DECODER_RULES as DECODER_RULES
-from ._decoder import Decoder as Decoder
-from ._decoder import DecoderConfig as DecoderConfig
-from ._knobs import REMAT_ORDER as REMAT_ORDER
-from ._layouts import LAYOUTS as LAYOUTS
+from ._cost.model import Memory as Memory
+from ._cost.model import Time as Time
+from ._decoder.activation_sharding import ACTIVATION_RULES as ACTIVATION_RULES
+from ._decoder.activation_sharding import constrain as constrain_activation
+from ._decoder.attention import attention as causal_attention
+from ._decoder.attention import blockwise_attention as blockwise_attention
+from ._decoder.model import CONFIGS as DECODER_CONFIGS
+from ._decoder.model import DECODER_RULES as DECODER_RULES
+from ._decoder.model import Decoder as Decoder
+from ._decoder.model import DecoderConfig as DecoderConfig
+from ._decoder.remat import REMAT_POLICIES as REMAT_POLICIES
+from ._decoder.remat import remat_policy as remat_policy
+from ._decoder.training import accumulate_gradients as accumulate_gradients
+from ._decoder.training import decoder_builder as decoder_builder
+from ._decoder.training import make_train_step as make_train_step
+from ._hardware.accelerators import PRESETS as PRESETS
+from ._hardware.accelerators import Accelerator as Accelerator
 from ._plan import Plan as Plan
-from ._plans import Plans as Plans
-from ._remat import REMAT_POLICIES as REMAT_POLICIES
-from ._remat import remat_policy as remat_policy
-from ._search import plan as plan
-from ._search import search as search
-from ._steps import accumulate_gradients as accumulate_gradients
-from ._steps import decoder_builder as decoder_builder
-from ._steps import make_train_step as make_train_step
+from ._ranking import Plans as Plans
+from ._search.knobs import REMAT_ORDER as REMAT_ORDER
+from ._search.layouts import LAYOUTS as LAYOUTS
+from ._search.search import plan as plan
+from ._search.search import search as search
 
 __all__ = ["LAYOUTS", "PRESETS", "Accelerator", "Memory", "Plan", "Plans", "Time", "plan"]
 __all__ += ["ACTIVATION_RULES", "DECODER_CONFIGS", "DECODER_RULES", "REMAT_POLICIES"]

@@ -16,9 +16,9 @@ from .. import _errors
 from .._jit import JitWrapped, jit
 from .._state_sharding import StateSharding
 from .._units import format_bytes, format_seconds
-from ._cost import Memory, Time
-from ._hlo import Collective
-from ._layouts import order_devices
+from ._cost.hlo import Collective
+from ._cost.model import Memory, Time
+from ._search.layouts import order_devices
 
 Params = ParamSpec("Params")
 R = TypeVar("R")

@@ -1,4 +1,4 @@
-"""Accelerator presets and names (nnx_sharding/plan/_accelerator.py)."""
+"""Accelerator presets and names (nnx_sharding/plan/_hardware/accelerators.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from nnx_sharding.plan._accelerator import PRESETS, Accelerator, resolve_accelerator
+from nnx_sharding.plan._hardware.accelerators import PRESETS, Accelerator, resolve_accelerator
 
 
 def test_presets_cover_the_required_models_with_their_data_sheet_figures():

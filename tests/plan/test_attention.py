@@ -1,6 +1,7 @@
-"""Attention that never materialises the ``seq × seq`` scores (nnx_sharding/plan/_attention.py):
-the blockwise attention and the splash kernel's wrapper against jax's own attention, memory
-that grows linearly with the sequence, and the kernel each target's compiler gets."""
+"""Attention that never materialises the ``seq × seq`` scores
+(nnx_sharding/plan/_decoder/attention.py): the blockwise attention and the splash
+kernel's wrapper against jax's own attention, memory that grows linearly with the
+sequence, and the kernel each target's compiler gets."""
 
 from __future__ import annotations
 
@@ -16,9 +17,14 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
-from nnx_sharding.plan import DecoderConfig, _attention, blockwise_attention, decoder_builder
-from nnx_sharding.plan._devices import compile_devices, has_gpu_compiler, has_tpu_compiler
-from nnx_sharding.plan._ops import ops
+from nnx_sharding.plan import DecoderConfig, blockwise_attention, decoder_builder
+from nnx_sharding.plan._cost.kernels import ops
+from nnx_sharding.plan._decoder.attention import (
+    attention_kernel,
+    splash_attention,
+    triton_attention,
+)
+from nnx_sharding.plan._hardware.devices import compile_devices, has_gpu_compiler, has_tpu_compiler
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -34,7 +40,7 @@ def qkv(b: int, s: int, h: int, kv: int, d: int) -> tuple[jax.Array, ...]:
 @pytest.mark.parametrize("block", [16, 64], ids=["10 block pairs", "one block"])
 @pytest.mark.parametrize("kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_blockwise_attention_and_its_gradients_are_jaxs(monkeypatch, block, kv):
-    monkeypatch.setattr(_attention, "BLOCK", block)
+    monkeypatch.setattr("nnx_sharding.plan._decoder.attention.BLOCK", block)
     q, k, v, cotangent = qkv(2, 64, 4, kv, 8)
     out, vjp = jax.vjp(jax.jit(blockwise_attention), q, k, v)
     want, want_vjp = jax.vjp(reference, q, k, v)
@@ -72,7 +78,7 @@ def test_blockwise_memory_grows_linearly_with_the_sequence():
 
 @pytest.mark.parametrize(
     ("kernel", "seq", "head_dim"),
-    [(_attention.splash_attention, 256, 128), (_attention.triton_attention, 128, 64)],
+    [(splash_attention, 256, 128), (triton_attention, 128, 64)],
     ids=["splash (TPU)", "triton (GPU)"],
 )
 def test_the_pallas_wrappers_compute_jaxs_attention_split_over_the_mesh(kernel, seq, head_dim):
@@ -113,8 +119,8 @@ def squares(text: str, s: int) -> list[str]:
 @pytest.mark.skipif(not has_tpu_compiler(), reason="needs nnx_sharding[tpu]")
 def test_the_tpu_compiler_gets_the_splash_kernel():
     with jax.set_mesh(Mesh(np.array(compile_devices("v5e:2x4", 8)[0]), ("fsdp",))):
-        assert _attention.attention_kernel("auto", 2048, 128, jnp.bfloat16) == "splash"
-        assert _attention.attention_kernel("auto", 2048, 64, jnp.bfloat16) == "blockwise"
+        assert attention_kernel("auto", 2048, 128, jnp.bfloat16) == "splash"
+        assert attention_kernel("auto", 2048, 64, jnp.bfloat16) == "blockwise"
     text = compile_step("v5e:2x4", LONG)
     assert re.search(r"splash_mha\S* = .* custom-call\(", text)
     assert not squares(text, 1536), squares(text, 1536)[:3]
@@ -127,8 +133,8 @@ def test_compile_only_gpus_get_pallas_flash_attention_for_cudnns():
     algorithm with the same FLOPs, is compiled in its place, and the cost model counts
     its FLOPs as the causal attention's."""
     with jax.set_mesh(Mesh(np.array(compile_devices("h100", 8)[0]), ("fsdp",))):
-        assert _attention.attention_kernel("auto", 2048, 128, jnp.bfloat16) == "cudnn"
-        assert _attention.attention_kernel("auto", 2048, 128, jnp.float32) == "blockwise"
+        assert attention_kernel("auto", 2048, 128, jnp.bfloat16) == "cudnn"
+        assert attention_kernel("auto", 2048, 128, jnp.float32) == "blockwise"
     text = compile_step("h100", LONG)
     assert "cudnn$fmha" not in text
     assert "triton" in text
@@ -143,7 +149,7 @@ def test_compile_only_gpus_get_pallas_flash_attention_for_cudnns():
 
 
 def test_the_cpu_gets_the_blockwise_attention():
-    assert _attention.attention_kernel("auto", 2048, 128, jnp.bfloat16) == "blockwise"
+    assert attention_kernel("auto", 2048, 128, jnp.bfloat16) == "blockwise"
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: nnx_sharding.plan.Decoder(LONG, rngs=nnx.Rngs(0)))
     tokens = jax.ShapeDtypeStruct((1, 1536), jnp.int32)

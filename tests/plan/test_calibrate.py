@@ -13,10 +13,10 @@ from flax import nnx
 
 import nnx_sharding
 from nnx_sharding.plan import PRESETS, Accelerator
-from nnx_sharding.plan._calibrate import calibrate
-from nnx_sharding.plan._cost import Program
-from nnx_sharding.plan._hlo import Collective
-from nnx_sharding.plan._ops import Op
+from nnx_sharding.plan._cost.calibrate import calibrate
+from nnx_sharding.plan._cost.hlo import Collective
+from nnx_sharding.plan._cost.kernels import Op
+from nnx_sharding.plan._cost.model import Program
 
 H100 = PRESETS["h100"]
 TRUTH = dict(matmul_efficiency=0.41, hbm_efficiency=0.63, link_efficiency=0.37)

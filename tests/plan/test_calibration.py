@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nnx_sharding.plan._devices import has_gpu_compiler, has_tpu_compiler
+from nnx_sharding.plan._hardware.devices import has_gpu_compiler, has_tpu_compiler
 
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "scripts" / "calibration.py"
 GPU = pytest.mark.skipif(not has_gpu_compiler(), reason="needs nnx_sharding[gpu]")

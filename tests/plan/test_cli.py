@@ -100,7 +100,7 @@ def test_searches_the_decoders_microbatches_and_writes_every_plan_as_json(capsys
     import dataclasses
     import json
 
-    from nnx_sharding.plan._decoder import CONFIGS
+    from nnx_sharding.plan._decoder.model import CONFIGS
 
     path = tmp_path / "plans.json"
     argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "dp"]
@@ -186,7 +186,7 @@ def test_a_knob_value_the_decoder_refuses_is_one_line_and_status_2(option, messa
 def test_a_size_the_decoder_lacks_names_the_ones_it_has(capsys):
     import dataclasses
 
-    from nnx_sharding.plan._decoder import CONFIGS
+    from nnx_sharding.plan._decoder.model import CONFIGS
 
     if "kv_heads" in {f.name for f in dataclasses.fields(CONFIGS["tiny"])}:
         pytest.skip("this decoder has kv_heads")

@@ -16,8 +16,8 @@ import pytest
 from flax import nnx
 
 import nnx_sharding
-from nnx_sharding.plan import _compile, _search
-from nnx_sharding.plan._devices import has_gpu_compiler, has_tpu_compiler
+from nnx_sharding.plan._hardware.devices import has_gpu_compiler, has_tpu_compiler
+from nnx_sharding.plan._search import compile, search
 
 TARGETS = [
     pytest.param(
@@ -100,7 +100,7 @@ def _plan_while_another_holds_libtpu(allow: str | None) -> subprocess.CompletedP
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = allow
     hold = (
         "import sys\n"
-        "from nnx_sharding.plan._devices import compile_devices\n"
+        "from nnx_sharding.plan._hardware.devices import compile_devices\n"
         "print(compile_devices('v5e:2x4', 8)[1], flush=True)\n"
         "sys.stdin.readline()\n"
     )
@@ -156,20 +156,20 @@ def test_the_gpu_kernel_cache_is_written_and_changes_no_figure(monkeypatch):
         return [(p.label, p.memory, p.flops, p.collectives, p.time) for p in plans]
 
     written: list[int] = []
-    real = _search.compile_candidate
+    real = search.compile_candidate
 
     def spy(step, candidate, kernels=None):
         plan = real(step, candidate, kernels)
         written.append(os.path.getsize(kernels))
         return plan
 
-    monkeypatch.setattr(_search, "compile_candidate", spy)
+    monkeypatch.setattr(search, "compile_candidate", spy)
     cached = plan()
     assert len(written) == 2 and min(written) > 0  # the compiler wrote its kernels
-    monkeypatch.setattr(_search, "compile_candidate", real)
-    monkeypatch.setattr(_compile, "compiler_options", lambda compiler, kernels: None)
+    monkeypatch.setattr(search, "compile_candidate", real)
+    monkeypatch.setattr(compile, "compiler_options", lambda compiler, kernels: None)
     assert plan() == cached  # the reference: no cache
-    assert _compile.compiler_options("tpu", "kernels.bin") is None  # GPU only
+    assert compile.compiler_options("tpu", "kernels.bin") is None  # GPU only
 
 
 @pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
@@ -189,9 +189,9 @@ def test_a_tpu_plans_peak_is_the_compilers_own_not_the_sum_of_its_parts(monkeypa
         return (h**2).mean()
 
     seen: list = []
-    real = _compile.temporaries
+    real = compile.temporaries
     monkeypatch.setattr(
-        _compile,
+        compile,
         "temporaries",
         lambda compiler, stats: seen.append(stats) or real(compiler, stats),
     )

@@ -8,7 +8,9 @@ import dataclasses
 import pytest
 
 from nnx_sharding.plan import PRESETS, Memory, Time
-from nnx_sharding.plan._cost import (
+from nnx_sharding.plan._cost.hlo import Collective
+from nnx_sharding.plan._cost.kernels import Op
+from nnx_sharding.plan._cost.model import (
     Topology,
     collective_time,
     crosses_nodes,
@@ -16,9 +18,7 @@ from nnx_sharding.plan._cost import (
     predict,
     spanned_axes,
 )
-from nnx_sharding.plan._devices import compile_devices, has_tpu_compiler
-from nnx_sharding.plan._hlo import Collective
-from nnx_sharding.plan._ops import Op
+from nnx_sharding.plan._hardware.devices import compile_devices, has_tpu_compiler
 
 H100 = PRESETS["h100"]
 MB = 10**6

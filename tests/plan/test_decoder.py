@@ -1,4 +1,4 @@
-"""The built-in decoder (nnx_sharding/plan/_decoder.py): the published models' sizes, the
+"""The built-in decoder (nnx_sharding/plan/_decoder/): the published models' sizes, the
 forward pass against a reference written out in plain JAX, tied embeddings, grouped-query
 attention, the logical activation names, `decoder_builder`'s contract and one-line errors."""
 
@@ -24,8 +24,8 @@ from nnx_sharding.plan import (
     decoder_builder,
     search,
 )
-from nnx_sharding.plan._activations import activation_spec
-from nnx_sharding.plan._layouts import Candidate, metadata_tp, node_specs
+from nnx_sharding.plan._decoder.activation_sharding import activation_spec
+from nnx_sharding.plan._search.layouts import Candidate, metadata_tp, node_specs
 
 PUBLISHED = {  # billions of parameters, to the digits the models' papers and cards give
     "llama2-7b": "6.738",

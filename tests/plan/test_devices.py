@@ -1,4 +1,4 @@
-"""Devices to compile for (nnx_sharding/plan/_devices.py): compile-only TPUs and GPUs when
+"""Devices to compile for (nnx_sharding/plan/_hardware/devices.py): compile-only TPUs and GPUs when
 their compilers are installed (``python -m nnx_sharding compilers --install``), else CPU
 devices.
 
@@ -20,12 +20,16 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from nnx_sharding.plan import _devices
-from nnx_sharding.plan._accelerator import PRESETS
-from nnx_sharding.plan._devices import compile_devices, default_tpu_topology
+from nnx_sharding.plan._hardware.accelerators import PRESETS
+from nnx_sharding.plan._hardware.devices import (
+    compile_devices,
+    default_tpu_topology,
+    has_gpu_compiler,
+    has_tpu_compiler,
+)
 
-needs_tpu = pytest.mark.skipif(not _devices.has_tpu_compiler(), reason="needs the TPU compiler")
-needs_gpu = pytest.mark.skipif(not _devices.has_gpu_compiler(), reason="needs the GPU compiler")
+needs_tpu = pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
+needs_gpu = pytest.mark.skipif(not has_gpu_compiler(), reason="needs the GPU compiler")
 
 D, F = 256, 1024  # shards of every array are whole rows on 8 devices
 
@@ -116,7 +120,7 @@ def test_gpu_without_a_target_description_falls_back_to_cpu_saying_so():
     assert note.startswith("compiled for simulated CPU devices: no GPU target description")
 
 
-@pytest.mark.skipif(_devices.has_tpu_compiler(), reason="the TPU compiler is installed")
+@pytest.mark.skipif(has_tpu_compiler(), reason="the TPU compiler is installed")
 def test_tpu_without_its_compiler_says_how_to_install_it():
     with pytest.raises(
         ValueError, match=re.escape("python -m nnx_sharding compilers --install tpu")
@@ -124,7 +128,7 @@ def test_tpu_without_its_compiler_says_how_to_install_it():
         compile_devices("v5e:2x4", 8)
 
 
-@pytest.mark.skipif(_devices.has_gpu_compiler(), reason="the GPU compiler is installed")
+@pytest.mark.skipif(has_gpu_compiler(), reason="the GPU compiler is installed")
 def test_gpu_without_its_compiler_falls_back_to_cpu_saying_how_to_install_it():
     devices, compiler, note = compile_devices("h100", 8)
     assert (devices, compiler) == (jax.devices("cpu")[:8], "cpu")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from nnx_sharding.plan._flops import dot_flops
-from nnx_sharding.plan._hlo import collectives, replica_groups, shape_bytes, summary
+from nnx_sharding.plan._cost.flops import dot_flops
+from nnx_sharding.plan._cost.hlo import collectives, replica_groups, shape_bytes, summary
 
 
 def test_shape_bytes_of_arrays_and_tuples():

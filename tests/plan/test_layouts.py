@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
 from nnx_sharding.plan import LAYOUTS, PRESETS
-from nnx_sharding.plan._capture import capturing, offset, since
-from nnx_sharding.plan._devices import has_gpu_compiler, has_tpu_compiler
-from nnx_sharding.plan._layouts import candidates, order_devices, splits
+from nnx_sharding.plan._hardware.capture import capturing, offset, since
+from nnx_sharding.plan._hardware.devices import has_gpu_compiler, has_tpu_compiler
+from nnx_sharding.plan._search.layouts import candidates, order_devices, splits
 
 
 def sgd_step(model, optimizer, x):
@@ -124,7 +124,7 @@ def test_hybrid_data_parallelism_replicates_fsdp_groups_inside_nodes():
 @pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler (libtpu)")
 def test_multi_slice_data_parallelism_is_over_the_slices():
     """Two v5e slices of 2x2: ``data=2`` puts one slice on each data index."""
-    from nnx_sharding.plan._devices import compile_devices
+    from nnx_sharding.plan._hardware.devices import compile_devices
 
     devices, compiler, _ = compile_devices("v5e", 8, "v5e:2x2", 2)
     assert compiler == "tpu"

@@ -18,9 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
-from nnx_sharding.plan import _flops, _hlo
-from nnx_sharding.plan._decoder import Decoder, DecoderConfig, loss_fn
-from nnx_sharding.plan._devices import has_gpu_compiler, has_tpu_compiler
+from nnx_sharding.plan._cost import flops, hlo
+from nnx_sharding.plan._decoder.model import Decoder, DecoderConfig, loss_fn
+from nnx_sharding.plan._hardware.devices import has_gpu_compiler, has_tpu_compiler
 
 F32 = 4
 
@@ -41,11 +41,11 @@ def test_nested_loops_count_their_body_per_iteration():
     g = jax.shard_map(f, mesh=mesh, in_specs=(P(), P()), out_specs=P())
     a = jax.ShapeDtypeStruct((32, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
     text = jax.jit(g).lower(a, a.update(shape=(64, 64))).compile().as_text()
-    found = _hlo.collectives(text, 4)
+    found = hlo.collectives(text, 4)
     assert [c.kind for c in found] == ["all-reduce"] * 12
     assert {c.bytes for c in found} == {32 * 64 * F32}
-    assert _flops.dot_flops(text) == 12 * 2 * 32 * 64 * 64
-    assert _flops.dot_flops(text, per_iteration=False) == 2 * 32 * 64 * 64
+    assert flops.dot_flops(text) == 12 * 2 * 32 * 64 * 64
+    assert flops.dot_flops(text, per_iteration=False) == 2 * 32 * 64 * 64
 
 
 # float32 compute (a step that equals the single-device one to 1e-5), layers unrolled
@@ -202,7 +202,7 @@ def test_the_tpu_compilers_convolution_matmuls_count_as_their_multiply_adds():
     windows and padding; each counts the multiply-adds that read an input element."""
     from jax.experimental import topologies
 
-    from nnx_sharding.plan._devices import compile_devices  # noqa: F401 - sets libtpu up
+    from nnx_sharding.plan._hardware.devices import compile_devices  # noqa: F401 - sets libtpu up
 
     device = topologies.get_topology_desc("v5e:2x4", "tpu").devices[0]
     one = jax.sharding.SingleDeviceSharding(device)
@@ -220,4 +220,4 @@ def test_the_tpu_compilers_convolution_matmuls_count_as_their_multiply_adds():
     projection = 2 * b * s * d * h * k
     batched = 2 * b * h * s * s * k  # each: b·h batches of (s × k) @ (k × s)
     # forward: the projection and 2 batched matmuls; backward: 2 matmuls for each
-    assert _flops.dot_flops(text) == 3 * projection + 3 * 2 * batched
+    assert flops.dot_flops(text) == 3 * projection + 3 * 2 * batched

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import nnx_sharding
-from nnx_sharding.plan._devices import has_gpu_compiler
-from nnx_sharding.plan._flops import kernel_flops
-from nnx_sharding.plan._hlo import instructions
-from nnx_sharding.plan._ops import ops
+from nnx_sharding.plan._cost.flops import kernel_flops
+from nnx_sharding.plan._cost.hlo import instructions
+from nnx_sharding.plan._cost.kernels import ops
+from nnx_sharding.plan._hardware.devices import has_gpu_compiler
 
 needs_gpu = pytest.mark.skipif(not has_gpu_compiler(), reason="needs nnx_sharding[gpu]")
 F32 = 4

@@ -1,5 +1,5 @@
 """Where the planner finds its compilers and how it installs them
-(nnx_sharding/plan/_plugins.py), on stand-in files: no compiler is loaded here."""
+(nnx_sharding/plan/_hardware/compilers.py), on stand-in files: no compiler is loaded here."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from nnx_sharding._cli import compilers
-from nnx_sharding.plan import _plugins
+from nnx_sharding.plan._hardware import compilers as plugins
 
 
 @pytest.fixture
@@ -35,24 +35,24 @@ def test_the_folder_is_per_jax_version_under_the_cache_or_the_variable(monkeypat
     version = importlib.metadata.version("jax")
     monkeypatch.delenv("NNX_SHARDING_COMPILERS", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert _plugins.compilers_dir() == tmp_path / "cache/nnx_sharding/compilers" / f"jax-{version}"
+    assert plugins.compilers_dir() == tmp_path / "cache/nnx_sharding/compilers" / f"jax-{version}"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     home = tmp_path / "home/.cache/nnx_sharding/compilers"
-    assert _plugins.compilers_dir() == home / f"jax-{version}"
+    assert plugins.compilers_dir() == home / f"jax-{version}"
     monkeypatch.setenv("NNX_SHARDING_COMPILERS", str(tmp_path / "mine"))
-    assert _plugins.compilers_dir() == tmp_path / "mine" / f"jax-{version}"
+    assert plugins.compilers_dir() == tmp_path / "mine" / f"jax-{version}"
 
 
 def test_the_installed_compilers_are_found_in_the_folder_first(folder, monkeypatch):
     tpu = _touch(folder / "tpu/libtpu/libtpu.so")
     gpu = _touch(folder / "gpu/jax_plugins/xla_cuda12/xla_cuda_plugin.so")
-    assert (_plugins.tpu_library(), _plugins.cuda_library()) == (tpu, gpu)
+    assert (plugins.tpu_library(), plugins.cuda_library()) == (tpu, gpu)
     mine = _touch(folder.parent / "elsewhere/libtpu.so")
     monkeypatch.setenv("TPU_LIBRARY_PATH", mine)  # the user's own libtpu comes first
-    assert _plugins.tpu_library() == mine
+    assert plugins.tpu_library() == mine
     monkeypatch.setenv("TPU_LIBRARY_PATH", str(folder / "missing.so"))  # jax skips it too
-    assert _plugins.tpu_library() == tpu
+    assert plugins.tpu_library() == tpu
 
 
 def test_without_the_folder_only_packages_jax_finds_are_used(folder):
@@ -69,8 +69,8 @@ def test_without_the_folder_only_packages_jax_finds_are_used(folder):
         path = Path(list(spec.submodule_search_locations)[0]) / file
         return str(path) if path.is_file() else None
 
-    assert _plugins.tpu_library() == package_file("libtpu", "libtpu.so")
-    assert _plugins.cuda_library() == package_file("jax_plugins.xla_cuda12", "xla_cuda_plugin.so")
+    assert plugins.tpu_library() == package_file("libtpu", "libtpu.so")
+    assert plugins.cuda_library() == package_file("jax_plugins.xla_cuda12", "xla_cuda_plugin.so")
 
 
 @pytest.mark.parametrize("allow", [None, "0"])
@@ -80,7 +80,7 @@ def test_the_tpu_library_is_named_only_while_it_loads(monkeypatch, allow):
         monkeypatch.delenv("ALLOW_MULTIPLE_LIBTPU_LOAD", raising=False)
     else:
         monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", allow)
-    with _plugins.tpu_library_env("/the/planners.so"):
+    with plugins.tpu_library_env("/the/planners.so"):
         assert os.environ["TPU_LIBRARY_PATH"] == "/the/planners.so"
         assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == (allow or "1")  # the user's kept
     assert os.environ["TPU_LIBRARY_PATH"] == "/the/users.so"
@@ -88,8 +88,8 @@ def test_the_tpu_library_is_named_only_while_it_loads(monkeypatch, allow):
 
 
 def test_the_requirements_are_those_of_the_installed_jax():
-    assert _plugins.requirement("gpu") == "jax-cuda12-pjrt==" + importlib.metadata.version("jaxlib")
-    tpu = Requirement(_plugins.requirement("tpu"))
+    assert plugins.requirement("gpu") == "jax-cuda12-pjrt==" + importlib.metadata.version("jaxlib")
+    tpu = Requirement(plugins.requirement("tpu"))
     pins = [Requirement(r) for r in importlib.metadata.requires("jax") or []]
     jax_tpu = [r for r in pins if r.name == "libtpu" and r.marker.evaluate({"extra": "tpu"})]
     assert (tpu.name, tpu.specifier) == ("libtpu", jax_tpu[0].specifier)
@@ -109,19 +109,19 @@ def _fake_pip(status: int, calls: list[list[str]]):
 
 
 def test_install_puts_a_compiler_in_its_folder_only_when_pip_succeeds(folder, monkeypatch):
-    monkeypatch.setattr(_plugins, "package_folder", lambda name: None)  # no jax[tpu] here
+    monkeypatch.setattr(plugins, "package_folder", lambda name: None)  # no jax[tpu] here
     calls: list[list[str]] = []
     monkeypatch.setattr(compilers.subprocess, "run", _fake_pip(1, calls))
     assert compilers.main(["--install", "tpu"]) == 1
     assert not folder.joinpath("tpu").exists() and not folder.joinpath("tpu.partial").exists()
     monkeypatch.setattr(compilers.subprocess, "run", _fake_pip(0, calls))
     assert compilers.main(["--install", "tpu"]) == 0
-    assert _plugins.tpu_library() == str(folder / "tpu/libtpu/libtpu.so")
+    assert plugins.tpu_library() == str(folder / "tpu/libtpu/libtpu.so")
     assert not folder.joinpath("tpu.partial").exists()
     assert calls[-1] == [
         sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
         "--only-binary=:all:", "--target", str(folder / "tpu.partial"),
-        _plugins.requirement("tpu"),
+        plugins.requirement("tpu"),
     ]  # fmt: skip
     calls.clear()
     assert compilers.main(["--install", "tpu"]) == 0  # found: nothing to install

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from nnx_sharding.plan._knobs import (
+from nnx_sharding.plan._search.knobs import (
     REMAT_ORDER,
     Reads,
     extensions,
@@ -21,7 +21,7 @@ from nnx_sharding.plan._knobs import (
     points,
     rank,
 )
-from nnx_sharding.plan._schedule import MEMORY_MARGIN, Outcome, Schedule
+from nnx_sharding.plan._search.pruning import MEMORY_MARGIN, Outcome, Schedule
 
 REMAT = ["none", "dots", "full"]
 MICROBATCHES = [1, 2, 4, 8]

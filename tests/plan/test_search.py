@@ -18,7 +18,7 @@ from rich.console import Console
 import nnx_sharding
 from nnx_sharding._units import format_bytes
 from nnx_sharding.plan import Built, Plans
-from nnx_sharding.plan._knobs import no_faster, rank
+from nnx_sharding.plan._search.knobs import no_faster, rank
 
 D, F, LAYERS, BATCH = 32, 128, 2, 2048
 """Activations (BATCH x F per layer) outweigh the weights (D x F): remat and

@@ -1,4 +1,4 @@
-"""The decoder's training step (nnx_sharding/plan/_steps.py, _remat.py): gradient
+"""The decoder's training step (nnx_sharding/plan/_decoder/training.py, remat.py): gradient
 accumulation gives the big batch's step, and each remat policy recomputes what it says."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from nnx_sharding.plan import (
     accumulate_gradients,
     make_train_step,
 )
-from nnx_sharding.plan._decoder import loss_fn
+from nnx_sharding.plan._decoder.model import loss_fn
 
 CONFIG = DecoderConfig("steps", 61, 32, 4, 8, 48, 2, batch=8, seq_len=16, kv_heads=2,
                        compute_dtype="float32")  # fmt: skip

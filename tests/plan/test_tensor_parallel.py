@@ -1,5 +1,5 @@
 """Tensor-parallel shardings from the step's jaxpr, for models without sharding metadata
-(nnx_sharding/plan/_jaxpr_analysis.py)."""
+(nnx_sharding/plan/_search/tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_sharding.plan._jaxpr_analysis import tensor_parallel_specs
+from nnx_sharding.plan._search.tensor_parallel import tensor_parallel_specs
 
 D, H, F = 32, 8, 128
 

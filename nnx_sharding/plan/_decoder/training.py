@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .. import _errors
-from ._activations import activation_spec
-from ._built import Built
-from ._decoder import DECODER_RULES, Decoder, DecoderConfig, loss_fn
+from ... import _errors
+from .._built import Built
+from .activation_sharding import activation_spec
+from .model import DECODER_RULES, Decoder, DecoderConfig, loss_fn
 
 KNOBS: dict[str, Any] = {"remat": "none", "microbatches": 1}
 """The knobs `decoder_builder`'s ``build`` takes, and their defaults."""

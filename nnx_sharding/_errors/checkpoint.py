@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message, listing, mesh_fixes, with_article
+from .layout import format_message, listing, mesh_fixes, with_article
 
 _SAVABLE_FIXES = {
     "node": "pass the modules themselves, e.g. `save(path, (model, optimizer))`;",

@@ -35,7 +35,7 @@ from flax import nnx
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
-from .._nodes import Path, is_array, is_node
+from ..._nodes import Path, is_array, is_node
 
 __all__ = ["tensor_parallel_specs"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from .. import _errors
+from ... import _errors
 
 _dots = jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
 

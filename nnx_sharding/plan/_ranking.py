@@ -21,12 +21,12 @@ from .. import _errors
 from .._nodes import is_node
 from .._state_sharding import StateSharding
 from .._units import format_bytes, format_seconds
-from ._accelerator import Accelerator
-from ._calibrate import calibrate
-from ._compile import Step
-from ._hlo import KINDS
+from ._cost.calibrate import calibrate
+from ._cost.hlo import KINDS
+from ._hardware.accelerators import Accelerator
 from ._plan import Plan, shortfall
-from ._scale import Sizing, devices_for
+from ._search.compile import Step
+from ._sizing import Sizing, devices_for
 
 _SHORT = {
     "all-reduce": "AR",

@@ -16,13 +16,17 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from .._jit import jit
-from .._nodes import Path, is_node
-from .._state_sharding import AtPath, StateSharding
-from . import _capture, _flops, _flow, _hlo, _ops
-from ._cost import Memory, Program, Topology
-from ._layouts import Candidate, data_spec, node_specs, order_devices
-from ._plan import Plan, bind
+from ..._jit import jit
+from ..._nodes import Path, is_node
+from ..._state_sharding import AtPath, StateSharding
+from .._cost.flops import dot_flops
+from .._cost.hlo import collectives, entered, instructions, summary
+from .._cost.kernels import ops
+from .._cost.model import Memory, Program, Topology
+from .._cost.overlap import hidden
+from .._hardware import capture
+from .._plan import Plan, bind
+from .layouts import Candidate, data_spec, node_specs, order_devices
 
 
 @dataclasses.dataclass
@@ -164,7 +168,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
     """Lowers and compiles ``step`` laid out as ``candidate``; a `Plan` with the
     measured figures and the predicted time, or with ``reason`` set if it cannot be
     built (shapes that do not divide, a compiler error). The compiler's warnings (while
-    `_capture.capturing`) go into its notes. ``kernels``: a file the GPU compiler keeps
+    `capture.capturing`) go into its notes. ``kernels``: a file the GPU compiler keeps
     its compiled kernels in (`compiler_options`), for one compile at a time."""
     specs, problems = in_shardings(step, candidate)
     if step.tp_problem is not None and "model" in candidate.mesh_shape:
@@ -177,7 +181,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
     mesh = mesh_in_order(step.devices, dict(candidate.mesh_shape))
     bound = bind(specs, mesh)
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
-    start, logged = time.perf_counter(), _capture.offset()
+    start, logged = time.perf_counter(), capture.offset()
     try:
         with jax.set_mesh(mesh):  # the step may constrain its activations to the mesh's axes
             lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
@@ -188,7 +192,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         return listed(step, candidate, specs, reason=reason, state_bytes=state)
     seconds = time.perf_counter() - start
     notes = list(step.notes)
-    notes += compiler_notes(step.compiler, _capture.since(logged))
+    notes += compiler_notes(step.compiler, capture.since(logged))
     n = math.prod(candidate.mesh_shape.values())
     text = compiled.as_text()
     if text is None:
@@ -210,7 +214,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         temp=temporaries(step.compiler, stats),
     )
     if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
-        flops = _flops.dot_flops(text)
+        flops = dot_flops(text)
         notes.append(
             f"the {step.compiler} compiler gives no cost_analysis: FLOPs are the optimized "
             "program's matmuls"
@@ -221,20 +225,20 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
     notes += check_memory(memory, flops)
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
         memory = dataclasses.replace(memory, arguments=state)
-    instrs = list(_hlo.instructions(text))
-    hidden = _flow.hidden(instrs)
+    instrs = list(instructions(text))
+    hiding = hidden(instrs)
     found = [
-        dataclasses.replace(c, hidden=hidden[c.name][0], beside=hidden[c.name][1])
-        if c.name in hidden
+        dataclasses.replace(c, hidden=hiding[c.name][0], beside=hiding[c.name][1])
+        if c.name in hiding
         else c
-        for c in _hlo.collectives(text, n)
+        for c in collectives(text, n)
     ]
     program = Program(
-        tuple(_ops.ops(text)),
+        tuple(ops(text)),
         tuple(found),
         dict(candidate.mesh_shape),
         Topology.of(list(step.devices)[:n], step.accelerator.devices_per_node),
-        _hlo.entered(instrs),
+        entered(instrs),
     )
     predicted = program.time(step.accelerator)
     fits = memory.peak <= step.limit
@@ -251,7 +255,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         memory=memory,
         fits=fits,
         flops=flops,
-        collectives=_hlo.summary(found),
+        collectives=summary(found),
         time=predicted,
         reason=reason,
         notes=tuple(notes),
@@ -322,8 +326,8 @@ def _per_iteration(text: str, flops: float) -> tuple[float, str | None]:
     """``cost_analysis``'s FLOPs with a loop's body counted once per iteration:
     ``cost_analysis`` counts it once. The matmuls of the further iterations are added
     (counted from ``text``). (The step time is priced from the program's kernels
-    themselves, `_ops`: this is the table's FLOPs column.)"""
-    once, every = _flops.dot_flops(text, per_iteration=False), _flops.dot_flops(text)
+    themselves, `kernels`: this is the table's FLOPs column.)"""
+    once, every = dot_flops(text, per_iteration=False), dot_flops(text)
     if every <= once or flops <= 0:
         return flops, None
     note = (  # one text for every plan: the table shows it once, in its caption

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _errors
-from ._hlo import Collective
-from ._ops import Op
+from ... import _errors
+from .hlo import Collective
+from .kernels import Op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ def collective_time(
     ``efficiency``, for the range). Without ``topology``, nodes of
     ``accelerator.devices_per_node`` consecutive devices.
 
-    >>> from nnx_sharding.plan._accelerator import PRESETS
+    >>> from nnx_sharding.plan._hardware.accelerators import PRESETS
     >>> h100 = PRESETS["h100"]
     >>> gather = Collective("all-gather", 8 * 10**9, (tuple(range(8)),), "ag")
     >>> round(collective_time(gather, h100) * 1e3, 1)  # 7/8 of 8 GB at 0.82 x 450 GB/s
@@ -283,7 +283,7 @@ def predict(
     ``entries``: how many times each program (a loop's body) is entered, for the loop's
     first and last collective (default: once).
 
-    >>> from nnx_sharding.plan._accelerator import PRESETS
+    >>> from nnx_sharding.plan._hardware.accelerators import PRESETS
     >>> gemm = Op("dot", "fusion", "main", 1, 2 * 4096**3, "bf16", 3 * 2 * 4096**2)
     >>> t = predict([gemm], [], {"data": 8}, PRESETS["h100"])
     >>> t.compute == 2 * 4096**3 / (PRESETS["h100"].matmul_efficiency * 989e12)

@@ -20,7 +20,7 @@ cpu        (nominal) 1e12      16 GiB  1e11      1e10, 10 us      1e10, 10 us   
 The TPU's "in node" figure is two links' worth, one to each neighbour along an axis of
 the slice's torus (50 GB/s a link each way on v5e, 100 GB/s on v5p and v6e): a slice
 is one torus whatever its hosts, and the cost model counts the links of the axes a
-group spans (`nnx_sharding.plan._cost`). "Across nodes" is the data-centre network
+group spans (`nnx_sharding.plan._cost.model`). "Across nodes" is the data-centre network
 (DCN) between slices, per chip. Latencies are order-of-magnitude assumptions (NCCL and
 ICI hop latencies), not data-sheet figures.
 
@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .. import _errors
+from ... import _errors
 
 __all__ = ["PRESETS", "Accelerator", "resolve_accelerator"]
 
@@ -79,7 +79,7 @@ class Accelerator:
         spread: the relative uncertainty of the three efficiencies, which sets the range
             ``Time.step_low``..``Time.step_high``.
 
-    >>> from nnx_sharding.plan._accelerator import PRESETS
+    >>> from nnx_sharding.plan._hardware.accelerators import PRESETS
     >>> h100 = PRESETS["h100"]
     >>> h100.peak_flops("bfloat16") / 1e12
     989.0

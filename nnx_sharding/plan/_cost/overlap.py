@@ -17,7 +17,7 @@ matmuls that neither feed it nor use its result (`beside`): the pieces of a coll
 matmul the compiler unrolled, each piece's partial result passed on while the next
 piece computes. With none, it is exposed whole: tensor parallelism's activations
 gathered or reduced between two matmuls, or activations a layout chose to move rather
-than its weights (`nnx_sharding.plan._cost`).
+than its weights (`nnx_sharding.plan._cost.model`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from collections import deque
 
-from ._hlo import KINDS, Instr, control, operands
+from .hlo import KINDS, Instr, control, operands
 
 _MATMUL_CALL = re.compile(r"gemm|matmul|triton|tpu_custom_call|cudnn|fmha|mosaic", re.I)
 _CALLS = re.compile(r"\b(?:calls|body|to_apply)=%?([\w.\-]+)")
@@ -38,7 +38,7 @@ def hidden(instrs: list[Instr]) -> dict[str, tuple[bool, tuple[str, ...]]]:
     whole program, and else the matmul kernels it can run beside (see the module's
     docstring).
 
-    >>> from nnx_sharding.plan._hlo import instructions
+    >>> from nnx_sharding.plan._cost.hlo import instructions
     >>> text = '''
     ... ENTRY %main (w: f32[4,8], x: f32[2,8]) -> f32[2,8] {
     ...   %w = f32[4,8]{1,0} parameter(0)

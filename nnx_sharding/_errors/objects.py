@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import bound_method_message, format_message, listing, static_argument_message
+from .layout import bound_method_message, format_message, listing, static_argument_message
 
 
 def static_graph_node(transform: str, argument: str, type_name: str) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from flax import nnx
 
-from ._layout import format_message, with_article, wrap_in_spec
+from .layout import format_message, with_article, wrap_in_spec
 
 
 def node_in_prefix(transform: str, argument: str, path: str, node: object) -> str:

@@ -4,7 +4,7 @@ the cost model prices one by one (a sum of per-op rooflines, not a roofline of s
 An *op* is what a device launches: each instruction of a computation that runs as a
 program of its own (the entry, a loop's body and condition, a called computation, a
 conditional's branches) except bookkeeping (parameters, tuples, bitcasts, constants,
-control flow) and collectives (priced on their link, `nnx_sharding.plan._cost`). A
+control flow) and collectives (priced on their link, `nnx_sharding.plan._cost.model`). A
 fusion is one op: its FLOPs are the matmuls of the computations it calls, its bytes the
 arrays it reads and writes at its call site, where a fused parameter that is only
 sliced reads only the slices, and a fused in-place update (``dynamic-update-slice`` of a
@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ._flops import matmul
-from ._hlo import KINDS, Instr, control, instructions, operands, runs, shape_bytes
+from .flops import matmul
+from .hlo import KINDS, Instr, control, instructions, operands, runs, shape_bytes
 
 _BOOKKEEPING = frozenset(
     {

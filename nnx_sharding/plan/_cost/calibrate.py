@@ -2,7 +2,7 @@
 
 The cost model prices each kernel at ``matmul_efficiency`` of peak FLOP/s and
 ``hbm_efficiency`` of the memory bandwidth, each collective at ``link_efficiency`` of
-its link (`nnx_sharding.plan._cost`). `calibrate` chooses the three so that the
+its link (`nnx_sharding.plan._cost.model`). `calibrate` chooses the three so that the
 predictions of measured plans match their measurements: it minimises the squared
 log-ratios of predicted to measured step times over a grid of fractions (each from
 0.001 to 1, 16 steps a decade, refined twice around the best), the three fractions
@@ -20,8 +20,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _errors
-from ._accelerator import Accelerator
+from ... import _errors
+from .._hardware.accelerators import Accelerator
 
 _FIELDS = ("matmul_efficiency", "hbm_efficiency", "link_efficiency")
 
@@ -35,9 +35,9 @@ def calibrate(
     Raises:
       ValueError: nothing measured (run `Plans.measure` first).
 
-    >>> from nnx_sharding.plan._cost import Program
-    >>> from nnx_sharding.plan._ops import Op
-    >>> from nnx_sharding.plan._accelerator import PRESETS
+    >>> from nnx_sharding.plan._cost.model import Program
+    >>> from nnx_sharding.plan._cost.kernels import Op
+    >>> from nnx_sharding.plan._hardware.accelerators import PRESETS
     >>> gemm = Program((Op("dot", "dot", "main", 1, 1e12, "f32", 0.0),), (), {"data": 1})
     >>> fitted = calibrate(PRESETS["cpu"], [(gemm, 20.0)])  # 1e12 FLOPs in 20 s
     >>> round(fitted.matmul_efficiency, 2)

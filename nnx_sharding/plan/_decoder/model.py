@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from .. import _errors
-from ._activations import constrain
-from ._attention import ATTENTION, attention
-from ._remat import REMAT_POLICIES, remat_policy
+from ... import _errors
+from .activation_sharding import constrain
+from .attention import ATTENTION, attention
+from .remat import REMAT_POLICIES, remat_policy
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
 """The MLP's activation functions by name (SwiGLU is ``silu`` with ``gated=True``)."""

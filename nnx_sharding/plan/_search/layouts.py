@@ -30,7 +30,7 @@ from typing import Any, TypeAlias
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from .._nodes import Path
+from ..._nodes import Path
 
 Rules: TypeAlias = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 
@@ -119,7 +119,7 @@ def exact_candidate(spec: Any, n: int) -> Candidate:
     >>> exact_candidate(('fsdp+tp', {'model': 4, 'fsdp': 16}), 64).label
     'fsdp+tp (fsdp=16×model=4)'
     """
-    from .. import _errors
+    from ... import _errors
 
     if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], Mapping)):
         raise ValueError(_errors.plan_bad_layout_spec(spec))

@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Hashable, Sequence
 
-from ._knobs import Rank, no_faster, no_heavier
+from .knobs import Rank, no_faster, no_heavier
 
 MEMORY_MARGIN = 0.10
 """A compiled point that does not fit stands for the heavier points only when its

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._layout import bound_method_message, format_message
+from .layout import bound_method_message, format_message
 
 _ONE_SHARDING = "give the graph node one sharding (or PartitionSpec) for all its Variables."
 

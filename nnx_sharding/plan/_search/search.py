@@ -20,18 +20,18 @@ from typing import Any, TypeAlias
 
 import jax
 
-from .. import _errors
-from .._units import format_bytes, format_seconds
-from ._built import Built
-from ._capture import capturing
-from ._compile import Step, compile_candidate, in_shardings, listed, state_bytes
-from ._hlo import remat_copies
-from ._knobs import Reads, check_microbatches, extensions, label, points, rank
-from ._layouts import DATA_AXES, Candidate, LayoutSpec, Rules, candidates
-from ._plan import Plan
-from ._planner import Target, check_layouts, has_optimizer_state, prepare, resolve_target
-from ._plans import Plans
-from ._schedule import Outcome, Schedule
+from ... import _errors
+from ..._units import format_bytes, format_seconds
+from .._built import Built
+from .._cost.hlo import remat_copies
+from .._hardware.capture import capturing
+from .._plan import Plan
+from .._ranking import Plans
+from .compile import Step, compile_candidate, in_shardings, listed, state_bytes
+from .knobs import Reads, check_microbatches, extensions, label, points, rank
+from .layouts import DATA_AXES, Candidate, LayoutSpec, Rules, candidates
+from .prepare import Target, check_layouts, has_optimizer_state, prepare, resolve_target
+from .pruning import Outcome, Schedule
 
 Builder: TypeAlias = Callable[[Mapping[str, Any]], Any]
 """``build(knobs)``, returning a `Built` (or a ``(step, args)`` pair)."""
@@ -457,7 +457,7 @@ def plan(
     >>> sorted(p.layout for p in plans)
     ['dp', 'fsdp']
     """
-    from ._built import Built
+    from .._built import Built
 
     return explore(
         lambda knobs: Built(fun, args, jit_options),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from ._layout import (
+from .layout import (
     PAD_FIX,
     argument_differences,
     format_message,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import format_message
+from .layout import format_message
 
 __all__ = [
     "plan_bad_topology",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ._layout import (
+from .layout import (
     PAD_FIX,
     argument_differences,
     format_message,

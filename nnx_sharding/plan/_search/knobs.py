@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .. import _errors
+from ... import _errors
 
 REMAT_ORDER = ("none", "dots_with_context", "dots", "full")
 """The remat policies the planner orders, by the names of `REMAT_POLICIES`, each keeping

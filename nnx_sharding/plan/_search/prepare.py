@@ -15,15 +15,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from .. import _errors
-from .._callpath.argnums import resolve_argnums
-from .._nodes import Path, is_node
-from .._units import format_bytes
-from ._accelerator import Accelerator
-from ._compile import Step, abstract_args
-from ._cost import parse_bytes
-from ._jaxpr_analysis import tensor_parallel_specs
-from ._layouts import LAYOUTS, Candidate, LayoutSpec, Rules, candidates, metadata_tp, mirror
+from ... import _errors
+from ..._callpath.argnums import resolve_argnums
+from ..._nodes import Path, is_node
+from ..._units import format_bytes
+from .._cost.model import parse_bytes
+from .._hardware.accelerators import Accelerator
+from .compile import Step, abstract_args
+from .layouts import LAYOUTS, Candidate, LayoutSpec, Rules, candidates, metadata_tp, mirror
+from .tensor_parallel import tensor_parallel_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +58,8 @@ def resolve_target(
     num_slices: int,
 ) -> Target:
     """The `Target` of `plan`'s and `search`'s arguments of the same names."""
-    from ._accelerator import resolve_accelerator
-    from ._devices import compile_devices
+    from .._hardware.accelerators import resolve_accelerator
+    from .._hardware.devices import compile_devices
 
     accel, topology = resolve_accelerator(accelerator)
     limit = accel.hbm_bytes if memory_limit is None else parse_bytes(memory_limit)

@@ -5,7 +5,7 @@ No accelerator is needed: ``jax.experimental.topologies.get_topology_desc`` desc
 devices that the real TPU compiler (``libtpu``) or GPU compiler (jax's CUDA PJRT plugin)
 lowers and compiles for, on a machine that has none of them. Both are installed by
 ``python -m nnx_sharding compilers --install`` where no other program loads them, and
-loaded from there on the first call here (`nnx_sharding.plan._plugins`). A GPU is
+loaded from there on the first call here (`nnx_sharding.plan._hardware.compilers`). A GPU is
 described by a ``stream_executor.GpuTargetConfigProto`` in text format, shipped here as
 package data (``gpu_targets/*.txtpb``) per GPU preset.
 
@@ -24,11 +24,11 @@ from typing import Literal
 
 import jax
 
-from .. import _errors
-from .._types import Device
-from . import _plugins
-from ._accelerator import Accelerator, resolve_accelerator
-from ._quiet import quiet
+from ... import _errors
+from ..._types import Device
+from . import compilers
+from .accelerators import Accelerator, resolve_accelerator
+from .quiet import quiet
 
 __all__ = ["compile_devices", "default_tpu_topology", "has_gpu_compiler", "has_tpu_compiler"]
 
@@ -42,19 +42,19 @@ _TPU_DIMS = {"v5e": 2, "v6e": 2, "v5p": 3, "v4": 3}
 
 
 def has_tpu_compiler() -> bool:
-    """Whether the TPU compiler (``libtpu``) is installed (`_plugins.tpu_library`)."""
-    return _plugins.tpu_library() is not None
+    """Whether the TPU compiler (``libtpu``) is installed (`compilers.tpu_library`)."""
+    return compilers.tpu_library() is not None
 
 
 def has_gpu_compiler() -> bool:
     """Whether the GPU compiler (jax's CUDA PJRT plugin) is installed
-    (`_plugins.cuda_library`)."""
-    return _plugins.cuda_library() is not None
+    (`compilers.cuda_library`)."""
+    return compilers.cuda_library() is not None
 
 
 def gpu_target_config(name: str) -> str:
     """The ``GpuTargetConfigProto`` text of a GPU preset (see `GPU_TARGETS`)."""
-    files = importlib.resources.files("nnx_sharding.plan") / "gpu_targets"
+    files = importlib.resources.files("nnx_sharding.plan._hardware") / "gpu_targets"
     return (files / f"{name}.txtpb").read_text()
 
 
@@ -93,10 +93,10 @@ def _tpu_topology(
     kwargs: dict[str, object] = {"num_slices": num_slices} if num_slices > 1 else {}
     if host is not None:
         kwargs["chips_per_host_bounds"] = list(host)
-    library = _plugins.tpu_library()
+    library = compilers.tpu_library()
     if library is None:
         raise ValueError(_errors.plan_no_tpu_compiler(name))
-    with quiet(), _plugins.tpu_library_env(library):
+    with quiet(), compilers.tpu_library_env(library):
         return tuple(topologies.get_topology_desc(name, "tpu", **kwargs).devices)
 
 
@@ -112,7 +112,7 @@ def _small_slice(accelerator: Accelerator, name: str) -> tuple[int, ...] | None:
 @functools.cache
 def _gpu_topology(name: str, topology: str) -> tuple[Device, ...]:
     """Compile-only GPUs: those of the CUDA plugin jax registered itself (``jax[cuda12]``
-    on a machine with CUDA), else of the plugin `_plugins.cuda_library` finds, registered
+    on a machine with CUDA), else of the plugin `compilers.cuda_library` finds, registered
     now (the first ``get_topology_desc`` also lets jax register the plugins it finds)."""
     from jax.experimental import topologies
 
@@ -123,10 +123,10 @@ def _gpu_topology(name: str, topology: str) -> tuple[Device, ...]:
                 platform="cuda", target_config=text, topology=topology
             )
         except NotImplementedError:  # jax knows no CUDA plugin: register the planner's
-            library = _plugins.cuda_library()
+            library = compilers.cuda_library()
             if library is None:
                 raise
-            _plugins.register_cuda(library)
+            compilers.register_cuda(library)
             described = topologies.get_topology_desc(
                 platform="cuda", target_config=text, topology=topology
             )

@@ -36,8 +36,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from .. import _errors
-from ._activations import activation_spec
+from ... import _errors
+from .activation_sharding import activation_spec
 
 ATTENTION = ("auto", "blockwise", "splash", "cudnn", "triton")
 """The attention implementations a `DecoderConfig` may name."""

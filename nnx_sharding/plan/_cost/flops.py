@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._hlo import ARRAY, Instr, instructions, operands, runs
+from .hlo import ARRAY, Instr, instructions, operands, runs
 
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 
@@ -36,7 +36,7 @@ def matmul(ins: Instr, shapes: dict[tuple[str, str], str]) -> tuple[float, str]:
     of its left operand (``'bf16'``: what sets the matmul's rate); ``shapes`` maps
     (computation, name) to each instruction's result shape.
 
-    >>> from nnx_sharding.plan._hlo import Instr
+    >>> from nnx_sharding.plan._cost.hlo import Instr
     >>> dot = Instr("d", "f32[8,32]{1,0}", "dot",
     ...             "bf16[8,16]{1,0} %a, bf16[16,32]{1,0} %b), lhs_contracting_dims={1}", "c")
     >>> matmul(dot, {})
