@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
-from flax import nnx
 
 from .. import _errors
 from .._callpath.argnums import JIT_DEFAULTS
 from .._callpath.boundary import check_writable, host_callbacks
 from .._callpath.outside import Leaf
+from .._callpath.simple import resolve_mode
 from .._fastpath import slots as _slots
 from .._fastpath.cache import trace_state
 from .._nodes import is_variable
@@ -41,13 +41,6 @@ _GRAPH_UPDATES = (
     "partial argument would have to reach your objects, but jit_partial flattened them "
     "once and does not walk them again"
 )
-
-
-def _current(context: str) -> bool:
-    """The value of flax's ``nnx.set_graph_mode``/``nnx.set_graph_updates`` context (its
-    config's default outside one); True on a flax without them (graph mode only)."""
-    setting = getattr(nnx, context, None)
-    return True if setting is None else bool(setting.current_value())
 
 
 def _inner_signature(
@@ -110,10 +103,8 @@ class JitPartialWrapped(Generic[R]):
             raise TypeError(_errors.not_callable(TRANSFORM, fun, "model", decorator=False))
         functools.update_wrapper(self, fun)
         self.fun = fun
-        self.graph: bool = _current("set_graph_mode") if graph is None else graph
-        self.graph_updates: bool = (
-            _current("set_graph_updates") if graph_updates is None else graph_updates
-        )
+        # None takes flax's context (nnx.set_graph_mode, nnx.set_graph_updates)
+        self.graph, self.graph_updates = resolve_mode(graph, graph_updates)
         n = len(partial_args)
         if isinstance(in_shardings, (tuple, list)):
             partial_prefix, runtime = accept_flax(tuple(in_shardings[:n])), tuple(in_shardings[n:])
