@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import nnx_sharding
 from nnx_sharding._cli.aot import aot_main, aot_report
 from nnx_sharding._units import format_bytes
-from nnx_sharding.plan._decoder.model import CONFIGS
+from nnx_sharding.plan._decoder.configs import DECODER_CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto))
@@ -134,7 +134,7 @@ def test_a_1b_transformer_compiles_for_8_devices_without_allocating():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
 
-    c = CONFIGS["1b"]
+    c = DECODER_CONFIGS["1b"]
     d, layers = c.d_model, c.layers
     norms = layers * 2 * d + d
     matrices = 2 * c.vocab * d + layers * (4 * d * c.heads * c.head_dim + 2 * d * c.mlp)
@@ -170,7 +170,7 @@ def test_aot_main_prints_the_report_table(capsys):
     assert "config 'tiny', mesh data=2,model=4 (8 devices)" in out
     for row in ("argument bytes", "output bytes", "temp bytes", "FLOPs", "compile"):
         assert row in out
-    assert f"{CONFIGS['tiny'].param_count():,}" in out
+    assert f"{DECODER_CONFIGS['tiny'].param_count():,}" in out
 
 
 @pytest.mark.parametrize(
@@ -242,7 +242,7 @@ def test_aot_runs_on_the_devices_its_mesh_needs(args, env, title):
     assert run.returncode == 0, run.stderr
     assert f"AOT: config 'tiny', {title}" in run.stdout and "Traceback" not in run.stderr
     n = int(re.search(r"\((\d+) devices\)", title)[1])
-    c = CONFIGS["tiny"]
+    c = DECODER_CONFIGS["tiny"]
     matrices = c.param_count() - (2 * c.layers + 1) * c.d_model
     per_device = (matrices // n + (2 * c.layers + 1) * c.d_model) * 4  # every matrix split n ways
     assert per_device_parameters(run.stdout) == format_bytes(per_device)

@@ -1,4 +1,4 @@
-"""The compilers' start-up noise kept off stderr (nnx_sharding/plan/_hardware/quiet.py), and
+"""The compilers' start-up noise kept off stderr (nnx_sharding.plan._hardware.stderr.py), and
 none made by installing or importing the package: jax programs print what they printed
 without it."""
 
@@ -12,7 +12,7 @@ from importlib.util import find_spec
 
 import pytest
 
-from nnx_sharding.plan._hardware.quiet import quiet
+from nnx_sharding.plan._hardware.stderr import quiet
 
 NOISE = (
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
@@ -58,7 +58,7 @@ def test_importing_the_package_loads_no_compiler_and_silences_nothing():
     code = (
         "import sys, nnx_sharding\n"
         "maps = open('/proc/self/maps').read()\n"
-        "names = ('nnx_sharding.plan._hardware.quiet', 'nnx_sharding.plan', 'libtpu',\n"
+        "names = ('nnx_sharding.plan._hardware.stderr', 'nnx_sharding.plan', 'libtpu',\n"
         "         'jax_plugins.xla_cuda12')\n"
         "print([name for name in names if name in sys.modules])\n"
         "print([lib for lib in ('libtpu.so', 'xla_cuda_plugin.so') if lib in maps])\n"

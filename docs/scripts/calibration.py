@@ -293,18 +293,18 @@ def plan_run(run: Run, hlo: Path | None = None):
     """The run's one plan: its layout on its exact mesh, compiled for the target; the
     optimized HLO is kept (``--hlo``) by watching what the planner reads."""
     import nnx_sharding
-    from nnx_sharding.plan._cost import hlo
+    from nnx_sharding.plan._search import compile as candidate
 
     model, optimizer, tokens, step, rules = build(run)
     assert sum(math.prod(v.get_value().shape) for _, v in nnx_params(model)) == run.params
     saved: list[str] = []
-    original_collectives = hlo.collectives
+    original_collectives = candidate.collectives
 
     def spy(text, n):
         saved.append(text)
         return original_collectives(text, n)
 
-    hlo.collectives = spy
+    candidate.collectives = spy
     try:
         plans = nnx_sharding.plan(
             step, model, optimizer, tokens, devices=run.devices, accelerator=run.accelerator,
@@ -312,7 +312,7 @@ def plan_run(run: Run, hlo: Path | None = None):
             **run.jit_options,
         )  # fmt: skip
     finally:
-        hlo.collectives = original_collectives
+        candidate.collectives = original_collectives
     if hlo is not None and saved:
         hlo.mkdir(parents=True, exist_ok=True)
         (hlo / f"{run.name}.hlo.txt").write_text(saved[-1])

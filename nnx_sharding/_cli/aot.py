@@ -28,7 +28,8 @@ from .. import _errors
 from .._jit import jit
 from .._metadata import shard
 from .._units import format_bytes
-from ..plan._decoder.model import CONFIGS, LOGICAL_AXES, Decoder, DecoderConfig, train_step
+from ..plan._decoder.configs import DECODER_CONFIGS, LOGICAL_AXES, DecoderConfig
+from ..plan._decoder.model import Decoder, train_step
 from ..recipes._specs import make_mesh
 from .common import (
     MESH_AXES,
@@ -65,7 +66,7 @@ def abstract_model(config: DecoderConfig, mesh: Mesh) -> Decoder:
     """The model with ``ShapeDtypeStruct`` values carrying their ``NamedSharding``s.
 
     >>> mesh = make_mesh({'model': 1})
-    >>> model = abstract_model(CONFIGS['tiny'], mesh)
+    >>> model = abstract_model(DECODER_CONFIGS['tiny'], mesh)
     >>> model.layers[0].up.get_value().sharding.spec
     P(None, 'model')
     """
@@ -162,7 +163,7 @@ def aot_report(config: str | DecoderConfig, mesh: Mesh | Mapping[str, int]) -> A
     """Lowers and compiles one training step of an abstract model; reports memory and cost.
 
     Args:
-      config: a `DecoderConfig` or the name of one in `CONFIGS`.
+      config: a `DecoderConfig` or the name of one in `DECODER_CONFIGS`.
       mesh: a mesh with axes among ``data`` and ``model``, or their sizes, e.g.
         ``{'data': 2, 'model': 4}``.
 
@@ -179,9 +180,11 @@ def aot_report(config: str | DecoderConfig, mesh: Mesh | Mapping[str, int]) -> A
     (True, True)
     """
     if isinstance(config, str):
-        if config not in CONFIGS:
-            raise ValueError(_errors.aot_unknown_config("aot_report", config, list(CONFIGS)))
-        config = CONFIGS[config]
+        if config not in DECODER_CONFIGS:
+            raise ValueError(
+                _errors.aot_unknown_config("aot_report", config, list(DECODER_CONFIGS))
+            )
+        config = DECODER_CONFIGS[config]
     if not isinstance(mesh, Mesh):
         n, have = math.prod(mesh.values()), len(jax.devices())
         if n > have:
@@ -237,7 +240,9 @@ def aot_main(argv: Sequence[str]) -> int:
       The exit status, 0.
     """
     parser = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--config", default="1b", help=f"one of {', '.join(CONFIGS)} (default: 1b)")
+    parser.add_argument(
+        "--config", default="1b", help=f"one of {', '.join(DECODER_CONFIGS)} (default: 1b)"
+    )
     add_devices_option(parser)
     parser.add_argument(
         "--mesh",
@@ -247,8 +252,10 @@ def aot_main(argv: Sequence[str]) -> int:
         "(default: data=2 and model=N/2, or model=N for an odd N)",
     )
     args = parser.parse_args(list(argv))
-    if args.config not in CONFIGS:
-        parser.error(f"unknown --config {args.config!r}; choose one of {', '.join(CONFIGS)}")
+    if args.config not in DECODER_CONFIGS:
+        parser.error(
+            f"unknown --config {args.config!r}; choose one of {', '.join(DECODER_CONFIGS)}"
+        )
     if args.mesh is None:
         args.devices = args.devices or 8
         args.mesh = _default_mesh(args.devices)
@@ -258,7 +265,7 @@ def aot_main(argv: Sequence[str]) -> int:
         args.devices = size
     elif size != args.devices:
         parser.error(f"--mesh {shown} has {size} devices, but --devices is {args.devices}")
-    wrong = _indivisible(CONFIGS[args.config], args.mesh)
+    wrong = _indivisible(DECODER_CONFIGS[args.config], args.mesh)
     if wrong:
         parser.error(f"--mesh {shown} cannot shard config {args.config!r}: {wrong[0]}")
     status = cpu_devices_or_rerun(args.devices, ["aot", *argv])

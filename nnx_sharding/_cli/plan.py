@@ -50,11 +50,11 @@ def _size(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The command's options."""
-    from ..plan._decoder.model import CONFIGS
+    from ..plan._decoder.configs import DECODER_CONFIGS
     from ..plan._search.layouts import LAYOUTS
 
     p = Parser(prog=PROG, description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--config", default="1b", choices=list(CONFIGS), help="the decoder (1b)")
+    p.add_argument("--config", default="1b", choices=list(DECODER_CONFIGS), help="the decoder (1b)")
     p.add_argument(
         "--devices",
         type=positive,
@@ -251,9 +251,9 @@ def _user_builder(p: argparse.ArgumentParser, spec: str) -> Any:
 def _config(p: argparse.ArgumentParser, args: argparse.Namespace, devices: int) -> Any:
     """The decoder's config with the command's sizes; a size the decoder does not have
     is an error naming the ones it has."""
-    from ..plan._decoder.model import CONFIGS
+    from ..plan._decoder.configs import DECODER_CONFIGS
 
-    config = CONFIGS[args.config]
+    config = DECODER_CONFIGS[args.config]
     fields = {f.name for f in dataclasses.fields(config)}
     wanted = {name: getattr(args, name) for name in DIMENSIONS}
     wanted |= {"gated": args.gated, "tied": args.tied}
@@ -281,7 +281,7 @@ def _run(
 ) -> int:
     from rich.console import Console
 
-    from ..plan._decoder.model import DECODER_RULES
+    from ..plan._decoder.configs import DECODER_RULES
     from ..plan._search.search import search
 
     console = Console(width=max(Console().width, 260))  # the table's width

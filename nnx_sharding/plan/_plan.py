@@ -8,8 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ParamSpec, TypeAlias, TypeVar
 
 import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _errors
@@ -18,7 +17,7 @@ from .._state_sharding import StateSharding
 from .._units import format_bytes, format_seconds
 from ._cost.hlo import Collective
 from ._cost.model import Memory, Time
-from ._search.layouts import order_devices
+from ._hardware.devices import mesh_in_order
 
 Params = ParamSpec("Params")
 R = TypeVar("R")
@@ -50,7 +49,7 @@ class Plan:
       notes: caveats about the figures (e.g. a compiler's report that was corrected).
       compile_seconds: the wall time of lowering and compiling.
       measured: seconds per step measured by `Plans.measure` (None until then).
-      program: what the cost model read from the compiled program (`_cost.Program`:
+      program: what the cost model read from the compiled program (`_cost.model.Program`:
         kernels, collectives, topology), to price it on another `Accelerator`.
       knobs: the knob values its step was built with (`search`; empty for `plan`).
       model_flops: the model's FLOPs per device per step, as the builder counted them
@@ -131,12 +130,10 @@ class Plan:
         Raises:
           ValueError: fewer devices than the plan needs, saying how to get them.
         """
-        pool = order_devices(jax.devices() if devices is None else devices)
-        n = self.devices
-        if len(pool) < n:
-            raise ValueError(_errors.plan_mesh_too_few_devices(self.label, n, len(pool)))
-        grid = np.array(pool[:n], dtype=object).reshape(tuple(self.mesh_shape.values()))
-        return Mesh(grid, tuple(self.mesh_shape), axis_types=(AxisType.Auto,) * len(grid.shape))
+        pool = jax.devices() if devices is None else list(devices)
+        if len(pool) < self.devices:
+            raise ValueError(_errors.plan_mesh_too_few_devices(self.label, self.devices, len(pool)))
+        return mesh_in_order(pool, self.mesh_shape)
 
     def shardings(self, mesh: Mesh | None = None) -> InShardings:
         """`in_shardings` with every PartitionSpec made a ``NamedSharding`` on ``mesh``

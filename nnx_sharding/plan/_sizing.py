@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors
+from ._plan import Plan
+from ._step import Step
 
 DAY = 86400.0
 
@@ -35,7 +37,7 @@ class Sizing:
     every count ``tried`` with its days (None where nothing fit or built)."""
 
     devices: int
-    plan: Any
+    plan: Plan
     days: float
     days_low: float
     days_high: float
@@ -89,8 +91,9 @@ def scaled(args: tuple[Any, ...], skip: set[int], factor: int) -> tuple[Any, ...
 
 
 def devices_for(
-    plans: Any,
-    replan: Callable[[int, tuple[Any, ...]], Any],
+    step: Step,
+    planned: int,
+    best_at: Callable[[int, tuple[Any, ...]], Plan],
     tokens: float,
     days: float,
     *,
@@ -99,9 +102,10 @@ def devices_for(
     max_devices: int = 65536,
 ) -> Sizing:
     """The fewest devices (of the counts tried) that train ``tokens`` in ``days``; see
-    the module's docstring. ``replan(n, args)`` plans the step at ``n`` devices."""
-    step = plans._step
-    n0 = math.prod(plans[0].mesh_shape.values()) if len(plans) else len(step.devices)
+    the module's docstring. ``step`` was planned at ``planned`` devices; ``best_at(n,
+    args)`` is the best plan of the step at ``n`` devices given ``args`` (a ValueError
+    where none fits)."""
+    n0 = planned
     per_step0 = tokens_per_step or tokens_in(step.originals, step.static, step.variables)
     skip = set(step.static) | set(step.variables)
     results: dict[int, tuple[Any, float] | None] = {}
@@ -112,8 +116,7 @@ def devices_for(
         factor = n // n0 if scaling == "weak" else 1
         per_step = per_step0 * factor
         try:
-            found = plans if n == n0 else replan(n, scaled(step.originals, skip, factor))
-            best = found.best
+            best = best_at(n, scaled(step.originals, skip, factor))
         except ValueError:  # nothing fits, nothing built, a count the target refuses
             results[n] = None
             return None

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from nnx_sharding import checkpoint
-from nnx_sharding.plan._hardware import quiet
+from nnx_sharding.plan._hardware.stderr import KNOWN_NOISE
 
 RUNS = 9
 AT_ONCE = 3
@@ -125,7 +125,7 @@ FAILING = textwrap.dedent(
 def _noise(line: str) -> bool:
     """Python warnings, and what the CUDA plugin (the ``gpu`` extra) prints on a machine
     without a driver whenever jax is imported."""
-    return "Warning" in line or any(known in line for known in quiet._KNOWN_NOISE)
+    return "Warning" in line or any(known in line for known in KNOWN_NOISE)
 
 
 def test_a_pending_save_that_fails_at_exit_is_one_line(tmp_path: Path) -> None:

@@ -100,14 +100,14 @@ def test_searches_the_decoders_microbatches_and_writes_every_plan_as_json(capsys
     import dataclasses
     import json
 
-    from nnx_sharding.plan._decoder.model import CONFIGS
+    from nnx_sharding.plan._decoder.configs import DECODER_CONFIGS
 
     path = tmp_path / "plans.json"
     argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "dp"]
     status = main([*argv, "--microbatches", "1,2", "--d-model", "64", "--json", str(path)])
     out = capsys.readouterr().out
     assert status == 0, out
-    config = dataclasses.replace(CONFIGS["tiny"], d_model=64)
+    config = dataclasses.replace(DECODER_CONFIGS["tiny"], d_model=64)
     # the default batch: every microbatch of it splits over the 8 devices
     assert f"planning tiny ({config.param_count():,} parameters, batch 16 × 64" in out
     assert "microbatches" in out and "TFLOP/s/device" in out
@@ -186,9 +186,9 @@ def test_a_knob_value_the_decoder_refuses_is_one_line_and_status_2(option, messa
 def test_a_size_the_decoder_lacks_names_the_ones_it_has(capsys):
     import dataclasses
 
-    from nnx_sharding.plan._decoder.model import CONFIGS
+    from nnx_sharding.plan._decoder.configs import DECODER_CONFIGS
 
-    if "kv_heads" in {f.name for f in dataclasses.fields(CONFIGS["tiny"])}:
+    if "kv_heads" in {f.name for f in dataclasses.fields(DECODER_CONFIGS["tiny"])}:
         pytest.skip("this decoder has kv_heads")
     with pytest.raises(SystemExit):
         main(["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--kv-heads", "2"])

@@ -17,7 +17,7 @@ from flax import nnx
 
 import nnx_sharding
 from nnx_sharding.plan._hardware.devices import has_gpu_compiler, has_tpu_compiler
-from nnx_sharding.plan._search import compile, search
+from nnx_sharding.plan._search import compile, drive
 
 TARGETS = [
     pytest.param(
@@ -156,17 +156,17 @@ def test_the_gpu_kernel_cache_is_written_and_changes_no_figure(monkeypatch):
         return [(p.label, p.memory, p.flops, p.collectives, p.time) for p in plans]
 
     written: list[int] = []
-    real = search.compile_candidate
+    real = drive.compile_candidate
 
     def spy(step, candidate, kernels=None):
         plan = real(step, candidate, kernels)
         written.append(os.path.getsize(kernels))
         return plan
 
-    monkeypatch.setattr(search, "compile_candidate", spy)
+    monkeypatch.setattr(drive, "compile_candidate", spy)
     cached = plan()
     assert len(written) == 2 and min(written) > 0  # the compiler wrote its kernels
-    monkeypatch.setattr(search, "compile_candidate", real)
+    monkeypatch.setattr(drive, "compile_candidate", real)
     monkeypatch.setattr(compile, "compiler_options", lambda compiler, kernels: None)
     assert plan() == cached  # the reference: no cache
     assert compile.compiler_options("tpu", "kernels.bin") is None  # GPU only

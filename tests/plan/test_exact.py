@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 import nnx_sharding
-from nnx_sharding.plan._decoder.model import Decoder, DecoderConfig, loss_fn
+from nnx_sharding.plan._decoder.configs import DecoderConfig
+from nnx_sharding.plan._decoder.model import Decoder, loss_fn
 
 # float32 compute (a step that equals the single-device one to 1e-5), layers unrolled
 # unless a test scans them, and a two-matrix GELU MLP: the shapes the formulas below use

@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
 from nnx_sharding.plan import LAYOUTS, PRESETS
-from nnx_sharding.plan._hardware.capture import capturing, offset, since
-from nnx_sharding.plan._hardware.devices import has_gpu_compiler, has_tpu_compiler
-from nnx_sharding.plan._search.layouts import candidates, order_devices, splits
+from nnx_sharding.plan._hardware.devices import has_gpu_compiler, has_tpu_compiler, order_devices
+from nnx_sharding.plan._hardware.stderr import capturing, offset, since
+from nnx_sharding.plan._search.layouts import candidates, splits
 
 
 def sgd_step(model, optimizer, x):

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_sharding
 from nnx_sharding.plan._cost import flops, hlo
-from nnx_sharding.plan._decoder.model import Decoder, DecoderConfig, loss_fn
+from nnx_sharding.plan._decoder.configs import DecoderConfig
+from nnx_sharding.plan._decoder.model import Decoder, loss_fn
 from nnx_sharding.plan._hardware.devices import has_gpu_compiler, has_tpu_compiler
 
 F32 = 4

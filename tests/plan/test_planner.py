@@ -16,7 +16,7 @@ from flax import nnx
 
 import nnx_sharding
 from nnx_sharding.plan import PRESETS, Plans
-from nnx_sharding.plan._ranking import materialise
+from nnx_sharding.plan._measure import materialise
 
 
 class MLP(nnx.Module):

@@ -30,7 +30,7 @@ def calibrate(
     accelerator: Accelerator, measured: Sequence[tuple[Any, float]], name: str | None = None
 ) -> Accelerator:
     """``accelerator`` with its achievable fractions fitted to ``measured``: pairs of a
-    `_cost.Program` (a plan's ``program``) and its measured seconds per step.
+    `_cost.model.Program` (a plan's ``program``) and its measured seconds per step.
 
     Raises:
       ValueError: nothing measured (run `Plans.measure` first).

@@ -57,10 +57,10 @@ class Collective:
     computation: str = ""
     """The program it runs in (`control`): the entry, or a loop's body."""
     hidden: bool | None = None
-    """Whether it can overlap with its program's kernels (`_flow.hidden`); None: not
+    """Whether it can overlap with its program's kernels (`overlap.hidden`); None: not
     judged (the cost model then goes by the mesh axes it spans)."""
     beside: tuple[str, ...] = dataclasses.field(default=(), repr=False)
-    """Where not ``hidden``: the matmul kernels it can run beside (`_flow.hidden`)."""
+    """Where not ``hidden``: the matmul kernels it can run beside (`overlap.hidden`)."""
 
     @property
     def group_size(self) -> int:

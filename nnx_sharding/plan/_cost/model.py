@@ -1,7 +1,7 @@
 """The cost model: per-device memory as the compiler reports it, and a step time
 predicted from the optimized program's own kernels and collectives on an `Accelerator`.
 
-- **Kernels.** Each op of the optimized program (a fusion, a GEMM, a copy: `_ops.ops`)
+- **Kernels.** Each op of the optimized program (a fusion, a GEMM, a copy: `kernels.ops`)
   costs ``max(its matmul FLOPs / (matmul_efficiency · peak FLOP/s of its operands'
   dtype), its bytes / (hbm_efficiency · HBM bandwidth)) + kernel_overhead``, once per
   run (a loop's body once per iteration). ``busy`` is their sum: a sum of per-op
@@ -47,7 +47,7 @@ class Memory:
     """Per-device bytes of one step: ``state`` (the graph nodes' Variables, from the
     shardings), and from the compiler's ``memory_analysis``: ``arguments`` (all
     inputs), ``outputs``, ``alias`` (outputs written into donated inputs), ``temp``
-    (see `_compile.temporaries`); ``peak`` = arguments + outputs - alias + temp.
+    (see `_search.compile.temporaries`); ``peak`` = arguments + outputs - alias + temp.
 
     >>> Memory(state=8, arguments=8, outputs=8, alias=8, temp=4).peak
     12
@@ -229,7 +229,7 @@ def _ring_bandwidth(group: Sequence[int], accelerator: Any, topology: Topology) 
 
 def critical(c: Collective, mesh_shape: Mapping[str, int]) -> bool:
     """Whether ``c`` waits on the kernels next to it and they on it (tensor parallelism's
-    activations): as the program's data flow says (`_flow.hidden`), or, for a
+    activations): as the program's data flow says (`overlap.hidden`), or, for a
     collective not judged so, a group spanning the ``model`` axis that is not a
     collective-permute.
 
@@ -279,7 +279,7 @@ def predict(
     entries: Mapping[str, int] | None = None,
 ) -> Time:
     """The predicted `Time` of one step on ``accelerator`` from the program's
-    ``kernels`` (`_ops.ops`) and its collectives (`_hlo.collectives`, one per run);
+    ``kernels`` (`kernels.ops`) and its collectives (`hlo.collectives`, one per run);
     ``entries``: how many times each program (a loop's body) is entered, for the loop's
     first and last collective (default: once).
 

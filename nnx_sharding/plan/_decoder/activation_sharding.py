@@ -63,7 +63,7 @@ def activation_spec(
     return P(*entries) if entries else None
 
 
-def constrain(
+def constrain_activation(
     x: jax.Array,
     names: Sequence[str | None],
     rules: Mapping[str, tuple[str, ...]] = ACTIVATION_RULES,
@@ -71,7 +71,7 @@ def constrain(
     """``x`` constrained to the layout ``names`` give it on the current mesh
     (`activation_spec`); ``x`` unchanged where they name no axis the mesh has.
 
-    >>> constrain(jax.numpy.ones((2, 3)), ('activation_batch', None)).shape
+    >>> constrain_activation(jax.numpy.ones((2, 3)), ('activation_batch', None)).shape
     (2, 3)
     """
     spec = activation_spec(x.shape, names, rules)

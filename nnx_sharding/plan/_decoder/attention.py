@@ -47,13 +47,15 @@ sequence up to this)."""
 _NEG = -0.7 * float(np.finfo(np.float32).max)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "auto") -> jax.Array:
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "auto"
+) -> jax.Array:
     """Causal softmax attention of ``q`` (batch, seq, heads, head_dim) over ``k`` and
     ``v`` (batch, seq, kv_heads, head_dim; ``kv_heads`` divides ``heads``: grouped-query
     attention), scaled by ``1/sqrt(head_dim)``; the kernel as `attention_kernel` picks.
 
     >>> q = jnp.ones((1, 8, 4, 16)); kv = jnp.ones((1, 8, 2, 16))
-    >>> attention(q, kv, kv).shape
+    >>> causal_attention(q, kv, kv).shape
     (1, 8, 4, 16)
     """
     kernel = attention_kernel(implementation, q.shape[1], q.shape[-1], q.dtype)

@@ -13,7 +13,6 @@ build it with ``nnx.eval_shape`` (never allocated) and compile its training step
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -21,182 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from ... import _errors
-from .activation_sharding import constrain
-from .attention import ATTENTION, attention
-from .remat import REMAT_POLICIES, remat_policy
-
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
-"""The MLP's activation functions by name (SwiGLU is ``silu`` with ``gated=True``)."""
-DTYPES = ("float32", "bfloat16")
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """A decoder-only transformer's sizes and choices, and its training batch.
-
-    Every field can be overridden: ``dataclasses.replace(CONFIGS['llama3-8b'],
-    layers=4, seq_len=2048)``.
-
-    >>> CONFIGS['llama2-7b'].param_count()
-    6738415616
-    """
-
-    name: str
-    vocab: int
-    d_model: int
-    heads: int
-    head_dim: int
-    mlp: int
-    layers: int
-    batch: int = 8
-    seq_len: int = 2048
-    kv_heads: int | None = None
-    """Key and value heads (grouped-query attention); None: as many as ``heads``."""
-    gated: bool = True
-    """A gated MLP, ``act(x W_gate) * (x W_up) W_down`` (three matrices), else
-    ``act(x W_up) W_down``."""
-    activation: str = "silu"
-    """The MLP's activation, one of `ACTIVATIONS`."""
-    tied: bool = False
-    """The output head is the embedding matrix, transposed."""
-    parallel_block: bool = False
-    """Attention and MLP side by side off one norm (``x + attn(n(x)) + mlp(n(x))``)."""
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    param_dtype: str = "float32"
-    """The parameters' dtype, and so the optimizer state's."""
-    compute_dtype: str = "bfloat16"
-    """The matmuls' and the activations' dtype (norms and softmax run in float32)."""
-    scan: bool = True
-    """Stack the layers' weights and run them with ``nnx.scan``: compilers then build
-    one layer, not ``layers`` of them."""
-    remat: str = "none"
-    """The block's rematerialization policy, a name in `REMAT_POLICIES`."""
-    attention: str = "auto"
-    """The attention kernel, one of `ATTENTION` (``auto``: the target's, see
-    `attention_kernel`)."""
-
-    def __post_init__(self) -> None:
-        for field in ("vocab", "d_model", "heads", "head_dim", "mlp", "layers", "batch",
-                      "seq_len"):  # fmt: skip
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(_errors.decoder_bad_size(field, value))
-        if self.kv_heads is not None:
-            if not isinstance(self.kv_heads, int) or self.kv_heads < 1:
-                raise ValueError(_errors.decoder_bad_size("kv_heads", self.kv_heads))
-            if self.heads % self.kv_heads:
-                raise ValueError(_errors.decoder_bad_kv_heads(self.kv_heads, self.heads))
-        choices = {
-            "activation": list(ACTIVATIONS),
-            "param_dtype": DTYPES,
-            "compute_dtype": DTYPES,
-            "remat": list(REMAT_POLICIES),
-            "attention": ATTENTION,
-        }
-        for field, allowed in choices.items():
-            value = getattr(self, field)
-            if value not in allowed:
-                raise ValueError(_errors.decoder_bad_choice("DecoderConfig", field, value, allowed))
-
-    @property
-    def kv(self) -> int:
-        """Key and value heads: ``kv_heads``, else ``heads``."""
-        return self.heads if self.kv_heads is None else self.kv_heads
-
-    def param_count(self) -> int:
-        """Parameters, counted from the sizes: embedding (and head unless tied), per
-        layer q, k, v, o, the MLP's 2 or 3 matrices and 1 or 2 norm scales, the final
-        norm."""
-        d = self.d_model
-        attention = 2 * d * self.heads * self.head_dim + 2 * d * self.kv * self.head_dim
-        block = attention + (3 if self.gated else 2) * d * self.mlp
-        block += (1 if self.parallel_block else 2) * d
-        return (1 if self.tied else 2) * self.vocab * d + self.layers * block + d
-
-    def model_flops(self) -> float:
-        """The training FLOPs of one step, all devices together, as MaxText counts
-        them: ``6·N·tokens`` (N every parameter, embeddings included) plus causal
-        attention, ``6·heads·layers·head_dim·seq²·batch`` (the ``12·…`` of
-        ``QKᵀ`` and ``PV``, forward and backward, halved for the mask). Per device:
-        this divided by the device count.
-
-        >>> c = CONFIGS['tiny']
-        >>> c.model_flops() == 6 * c.param_count() * 8 * 64 + 6 * 4 * 2 * 32 * 64**2 * 8
-        True
-        """
-        tokens = self.batch * self.seq_len
-        attention = 6 * self.heads * self.layers * self.head_dim * self.seq_len**2 * self.batch
-        return float(6 * self.param_count() * tokens + attention)
-
-
-_LLAMA3 = {"vocab": 128256, "kv_heads": 8, "rope_theta": 500000.0, "seq_len": 8192}
-_LEGACY = {"gated": False, "activation": "gelu", "norm_eps": 1e-6, "scan": False}
-
-CONFIGS: dict[str, DecoderConfig] = {
-    c.name: c
-    for c in (
-        DecoderConfig("tiny", 512, 128, 4, 32, 512, 2, batch=8, seq_len=64, **_LEGACY),
-        DecoderConfig("1b", 32000, 2048, 16, 128, 8192, 18, batch=8, seq_len=512, **_LEGACY),
-        DecoderConfig(
-            "1b-wide", 32000, 4096, 32, 128, 16384, 4, batch=8, seq_len=512, **_LEGACY
-        ),  # fmt: skip
-        DecoderConfig("llama2-7b", 32000, 4096, 32, 128, 11008, 32, seq_len=4096),
-        DecoderConfig(
-            "llama3-8b", d_model=4096, heads=32, head_dim=128, mlp=14336, layers=32, **_LLAMA3
-        ),  # fmt: skip
-        DecoderConfig(
-            "llama3-70b", d_model=8192, heads=64, head_dim=128, mlp=28672, layers=80, **_LLAMA3
-        ),  # fmt: skip
-        DecoderConfig(
-            "llama3-405b", d_model=16384, heads=128, head_dim=128, mlp=53248, layers=126, **_LLAMA3
-        ),  # fmt: skip
-        DecoderConfig(
-            "maxtext-32b",
-            32768,
-            10240,
-            32,
-            256,
-            32768,
-            32,
-            activation="relu",
-            gated=False,
-            tied=True,
-            parallel_block=True,
-        ),  # fmt: skip
-    )
-}
-"""The named configs. Published models, with their published dimensions: ``llama2-7b``
-(6.74B parameters), ``llama3-8b`` (8.03B), ``llama3-70b`` (70.6B), ``llama3-405b``
-(405.9B); ``maxtext-32b``, MaxText's synthetic 32B of its v5p runs (32.55B: width 10240,
-32 heads of 256, a two-matrix ReLU MLP of 32768, attention and MLP in parallel, tied
-embeddings of 32768). For sizing (``python -m nnx_sharding aot``'s, unrolled, a GELU
-two-matrix MLP): ``tiny`` (docs, tests), ``1b`` (1.04B, 18 layers of width 2048) and
-``1b-wide`` (1.07B, 4 layers of width 4096: compiles several times faster)."""
-
-LOGICAL_AXES = {
-    "batch": "data",
-    "embed": "data",
-    "heads": "model",
-    "mlp": "model",
-    "vocab": "model",
-}
-"""Logical axis -> mesh axis for ``python -m nnx_sharding aot``: FSDP shards the
-``embed`` dimension of every matrix over ``data`` (and the batch with it), tensor
-parallelism splits heads, MLP units and the vocabulary over ``model``."""
-
-DECODER_RULES: tuple[tuple[str, str | None], ...] = (
-    ("heads", "model"),
-    ("kv_heads", "model"),
-    ("mlp", "model"),
-    ("vocab", "model"),
-    ("embed", None),
-)
-"""The parameters' logical axes for `plan`'s ``rules``: tensor parallelism splits query
-heads, key/value heads (named ``kv_heads`` under grouped-query attention, ``heads``
-without it), MLP units and the vocabulary over ``model``; FSDP picks each Variable's
-largest dimension itself."""
+from .activation_sharding import constrain_activation as constrain
+from .attention import causal_attention
+from .configs import ACTIVATIONS, DecoderConfig
+from .remat import remat_policy
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 
@@ -251,7 +78,7 @@ def _attention(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array], rope: An
     q = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wq"]), heads)
     k = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wk"]), kv_heads)
     v = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wv"]), kv_heads)
-    out = attention(_rotate(q, rope), _rotate(k, rope), v, c.attention)
+    out = causal_attention(_rotate(q, rope), _rotate(k, rope), v, c.attention)
     out = constrain(checkpoint_name(out, "context"), heads)
     return jnp.einsum("bshk,hkd->bsd", out, w["wo"])
 
@@ -299,8 +126,9 @@ class Block(nnx.Module):
 class Decoder(nnx.Module):
     """A decoder-only transformer; ``model(tokens)`` gives the logits.
 
+    >>> from nnx_sharding.plan import DECODER_CONFIGS
     >>> with nnx.use_eager_sharding(False):
-    ...     model = nnx.eval_shape(lambda: Decoder(CONFIGS['tiny'], rngs=nnx.Rngs(0)))
+    ...     model = nnx.eval_shape(lambda: Decoder(DECODER_CONFIGS['tiny'], rngs=nnx.Rngs(0)))
     >>> tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
     >>> nnx.eval_shape(lambda m, t: m(t), model, tokens).shape
     (2, 5, 512)

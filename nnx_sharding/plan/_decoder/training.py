@@ -23,7 +23,8 @@ from flax import nnx
 from ... import _errors
 from .._built import Built
 from .activation_sharding import activation_spec
-from .model import DECODER_RULES, Decoder, DecoderConfig, loss_fn
+from .configs import DECODER_RULES, DecoderConfig
+from .model import Decoder, loss_fn
 
 KNOBS: dict[str, Any] = {"remat": "none", "microbatches": 1}
 """The knobs `decoder_builder`'s ``build`` takes, and their defaults."""

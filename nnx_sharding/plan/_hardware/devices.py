@@ -11,7 +11,7 @@ package data (``gpu_targets/*.txtpb``) per GPU preset.
 
 The compilers print their initialisation errors (no driver, no TPU host) on stderr; the
 calls here that load them run with stderr and jax's plugin logging silenced
-(`nnx_sharding.plan._quiet.quiet`).
+(`stderr.quiet`).
 """
 
 from __future__ import annotations
@@ -19,18 +19,21 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import math
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
 
 from ... import _errors
 from ..._types import Device
 from . import compilers
 from .accelerators import Accelerator, resolve_accelerator
-from .quiet import quiet
+from .stderr import quiet
 
 __all__ = ["compile_devices", "default_tpu_topology", "has_gpu_compiler", "has_tpu_compiler"]
+__all__ += ["mesh_in_order", "order_devices"]
 
 Compiler = Literal["tpu", "gpu", "cpu"]
 
@@ -251,3 +254,30 @@ def _cpu_devices(n: int) -> list[Device]:
 def _first(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+def order_devices(devices: Sequence[Any]) -> list[Any]:
+    """``devices`` node by node: by slice (TPU multi-slice), then host, then id. A mesh
+    filled in this order, row-major, puts its innermost axes inside a node and its
+    outermost (``data``) across nodes, as the cost model's node of consecutive devices
+    assumes.
+
+    >>> class D:
+    ...     def __init__(self, id, host): self.id, self.process_index = id, host
+    >>> [d.id for d in order_devices([D(3, 1), D(0, 0), D(2, 1), D(1, 0)])]
+    [0, 1, 2, 3]
+    """
+
+    def key(d: Any) -> tuple[int, int, int]:
+        return (getattr(d, "slice_index", 0) or 0, getattr(d, "process_index", 0), d.id)
+
+    return sorted(devices, key=key)
+
+
+def mesh_in_order(devices: Sequence[Any], shape: Mapping[str, int]) -> Mesh:
+    """A mesh of ``AxisType.Auto`` axes over the first devices node by node
+    (`order_devices`), shaped ``shape``: the innermost axes inside a node, which
+    ``jax.make_mesh`` would reorder. ``devices`` must hold enough of them."""
+    grid = np.array(order_devices(devices)[: math.prod(shape.values())], dtype=object)
+    grid = grid.reshape(tuple(shape.values()))
+    return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))

@@ -7,75 +7,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import AxisType, Mesh
-from jax.sharding import PartitionSpec as P
 
 from ..._jit import jit
-from ..._nodes import Path, is_node
 from ..._state_sharding import AtPath, StateSharding
 from .._cost.flops import dot_flops
 from .._cost.hlo import collectives, entered, instructions, summary
 from .._cost.kernels import ops
 from .._cost.model import Memory, Program, Topology
 from .._cost.overlap import hidden
-from .._hardware import capture
+from .._hardware.devices import mesh_in_order
+from .._hardware.stderr import offset, since
 from .._plan import Plan, bind
-from .layouts import Candidate, data_spec, node_specs, order_devices
-
-
-@dataclasses.dataclass
-class Step:
-    """What every candidate shares: the step, its abstract arguments and the target."""
-
-    fun: Callable[..., Any]
-    args: tuple[Any, ...]  # abstract: Variables and arrays hold ShapeDtypeStructs
-    static: frozenset[int]
-    options: dict[str, Any]
-    variables: dict[int, list[tuple[Path, nnx.Variable[Any]]]]  # per graph-node argument
-    tp: dict[int, dict[Path, P] | None]  # tensor-parallel specs per graph-node argument
-    devices: Sequence[Any]
-    compiler: str
-    accelerator: Any
-    dtype: str
-    limit: int
-    notes: tuple[str, ...] = ()
-    originals: tuple[Any, ...] = ()  # the arguments as given (for `Plans.measure`)
-    rules: Any = None  # as given to `plan` (for `Plans.devices_for`'s re-planning)
-    num_slices: int = 1
-    knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    model_flops: float | None = None  # the builder's count, all devices, per step
-    tp_problem: str | None = None  # why no tensor-parallel candidate can be built
-
-
-def abstract_args(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
-    """``args`` with every array (in graph nodes too) a ``ShapeDtypeStruct`` without a
-    sharding: what the candidates lower. Sharing between arguments is kept; the
-    caller's objects are not touched."""
-    nodes = [i for i, a in enumerate(args) if i not in static and is_node(a)]
-    with nnx.use_eager_sharding(False):
-        copies = nnx.eval_shape(lambda *a: a, *[args[i] for i in nodes]) if nodes else ()
-    for node in copies:
-        for _, value in nnx.iter_graph(node):
-            if isinstance(value, nnx.Variable):
-                v = value.get_value()
-                if hasattr(v, "shape") and hasattr(v, "dtype"):
-                    value.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype))
-    out = list(args)
-    for i, node in zip(nodes, copies, strict=True):
-        out[i] = node
-    for i, a in enumerate(args):
-        if i in static or is_node(a):
-            continue
-        out[i] = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x, a
-        )
-    return tuple(out)
+from .._step import Step
+from .layouts import DATA_AXES, Candidate, data_spec, node_specs
 
 
 def in_shardings(step: Step, candidate: Candidate) -> tuple[tuple[Any, ...], list[str]]:
@@ -131,15 +80,6 @@ def state_bytes(step: Step, candidate: Candidate, specs: Sequence[Any]) -> int:
     return total
 
 
-def mesh_in_order(devices: Sequence[Any], shape: dict[str, int]) -> Mesh:
-    """A mesh of ``AxisType.Auto`` axes over the first devices node by node
-    (`order_devices`), shaped ``shape``: the innermost axes inside a node, which
-    ``jax.make_mesh`` would reorder."""
-    grid = np.array(order_devices(devices)[: math.prod(shape.values())], dtype=object)
-    grid = grid.reshape(tuple(shape.values()))
-    return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
-
-
 def listed(step: Step, candidate: Candidate, specs: Any = (), **fields: Any) -> Plan:
     """A `Plan` of ``candidate`` without the compiler's figures (``fields`` say why)."""
     n = math.prod(candidate.mesh_shape.values())
@@ -164,24 +104,47 @@ def listed(step: Step, candidate: Candidate, specs: Any = (), **fields: Any) -> 
     return Plan(**{**base, **fields})
 
 
-def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = None) -> Plan:
-    """Lowers and compiles ``step`` laid out as ``candidate``; a `Plan` with the
-    measured figures and the predicted time, or with ``reason`` set if it cannot be
-    built (shapes that do not divide, a compiler error). The compiler's warnings (while
-    `capture.capturing`) go into its notes. ``kernels``: a file the GPU compiler keeps
-    its compiled kernels in (`compiler_options`), for one compile at a time."""
+def precheck(step: Step, candidate: Candidate, prune: bool | str) -> Plan | None:
+    """``candidate``'s plan when it is listed without compiling (shapes that do not
+    divide, no tensor-parallel split, and with ``prune`` a state above the limit)."""
     specs, problems = in_shardings(step, candidate)
     if step.tp_problem is not None and "model" in candidate.mesh_shape:
         return listed(step, candidate, specs, reason=step.tp_problem)
+    count, batch, size = step.knobs.get("microbatches"), step.batch, candidate.data_parallel
+    if count and batch and not problems and (batch // count) % size:
+        named = ",".join(
+            f"{a}={candidate.mesh_shape[a]}" for a in DATA_AXES if a in candidate.mesh_shape
+        )
+        problems.append(
+            f"a microbatch of {batch // count} (batch {batch} / microbatches={count}) is not "
+            f"divisible by the data-parallel axes {named} ({size})"
+        )
     if problems:
         shown = "; ".join(problems[:3])
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         return listed(step, candidate, specs, reason=f"shapes do not divide: {shown}{more}")
     state = state_bytes(step, candidate, specs)
+    if prune and state > step.limit:
+        reason = (
+            f"not compiled: its state alone needs {state:,} bytes per device, "
+            f"{state - step.limit:,} more than the limit of {step.limit:,}"
+        )
+        return listed(step, candidate, specs, reason=reason, pruned="state", state_bytes=state)
+    return None
+
+
+def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = None) -> Plan:
+    """Lowers and compiles ``step`` laid out as ``candidate``, which `precheck` passed;
+    a `Plan` with the measured figures and the predicted time, or with ``reason`` set if
+    the compiler refused it. The compiler's warnings (while
+    `capturing`) go into its notes. ``kernels``: a file the GPU compiler keeps
+    its compiled kernels in (`compiler_options`), for one compile at a time."""
+    specs, _ = in_shardings(step, candidate)
+    state = state_bytes(step, candidate, specs)
     mesh = mesh_in_order(step.devices, dict(candidate.mesh_shape))
     bound = bind(specs, mesh)
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
-    start, logged = time.perf_counter(), capture.offset()
+    start, logged = time.perf_counter(), offset()
     try:
         with jax.set_mesh(mesh):  # the step may constrain its activations to the mesh's axes
             lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
@@ -192,7 +155,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         return listed(step, candidate, specs, reason=reason, state_bytes=state)
     seconds = time.perf_counter() - start
     notes = list(step.notes)
-    notes += compiler_notes(step.compiler, capture.since(logged))
+    notes += compiler_notes(step.compiler, since(logged))
     n = math.prod(candidate.mesh_shape.values())
     text = compiled.as_text()
     if text is None:

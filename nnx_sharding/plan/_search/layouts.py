@@ -16,8 +16,9 @@ Data arguments (arrays) have their leading dimension split over the data-paralle
 axes (``data``, ``fsdp``); with neither (``tp``) they are replicated.
 
 Mesh axes are in the order ``data``, ``fsdp``, ``model``: the devices are laid out
-node by node (`order_devices`), so the innermost axes sit inside a node (a GPU host, a
-TPU slice) and ``data`` spans the nodes, crossing the slower network once per step.
+node by node (`_hardware.devices.order_devices`), so the innermost axes sit inside a
+node (a GPU host, a TPU slice) and ``data`` spans the nodes, crossing the slower network
+once per step.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class Candidate:
     def label(self) -> str:
         axes = "×".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         return f"{self.layout} ({axes})"
+
+    @property
+    def data_parallel(self) -> int:
+        """The devices the batch is split over."""
+        return math.prod(self.mesh_shape.get(a, 1) for a in DATA_AXES)
 
 
 def candidates(n: int, layouts: Sequence[LayoutSpec] | None = None) -> list[Candidate]:
@@ -134,24 +140,6 @@ def exact_candidate(spec: Any, n: int) -> Candidate:
     if bad or math.prod(sizes.values()) != n:
         raise ValueError(_errors.plan_bad_candidate_sizes(name, dict(sizes), n))
     return Candidate(name, {a: sizes[a] for a in axes})
-
-
-def order_devices(devices: Sequence[Any]) -> list[Any]:
-    """``devices`` node by node: by slice (TPU multi-slice), then host, then id. A mesh
-    filled in this order, row-major, puts its innermost axes inside a node and its
-    outermost (``data``) across nodes, as the cost model's node of consecutive devices
-    assumes.
-
-    >>> class D:
-    ...     def __init__(self, id, host): self.id, self.process_index = id, host
-    >>> [d.id for d in order_devices([D(3, 1), D(0, 0), D(2, 1), D(1, 0)])]
-    [0, 1, 2, 3]
-    """
-
-    def key(d: Any) -> tuple[int, int, int]:
-        return (getattr(d, "slice_index", 0) or 0, getattr(d, "process_index", 0), d.id)
-
-    return sorted(devices, key=key)
 
 
 def shard_largest(shape: Sequence[int], spec: Sequence[Any], axis: str, size: int) -> tuple:

@@ -21,7 +21,7 @@ from ..._nodes import Path, is_node
 from ..._units import format_bytes
 from .._cost.model import parse_bytes
 from .._hardware.accelerators import Accelerator
-from .compile import Step, abstract_args
+from .._step import Step
 from .layouts import LAYOUTS, Candidate, LayoutSpec, Rules, candidates, metadata_tp, mirror
 from .tensor_parallel import tensor_parallel_specs
 
@@ -138,6 +138,31 @@ def prepare(
         num_slices=target.num_slices,
         tp_problem=tp_problem,
     )
+
+
+def abstract_args(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:
+    """``args`` with every array (in graph nodes too) a ``ShapeDtypeStruct`` without a
+    sharding: what the candidates lower. Sharing between arguments is kept; the
+    caller's objects are not touched."""
+    nodes = [i for i, a in enumerate(args) if i not in static and is_node(a)]
+    with nnx.use_eager_sharding(False):
+        copies = nnx.eval_shape(lambda *a: a, *[args[i] for i in nodes]) if nodes else ()
+    for node in copies:
+        for _, value in nnx.iter_graph(node):
+            if isinstance(value, nnx.Variable):
+                v = value.get_value()
+                if hasattr(v, "shape") and hasattr(v, "dtype"):
+                    value.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype))
+    out = list(args)
+    for i, node in zip(nodes, copies, strict=True):
+        out[i] = node
+    for i, a in enumerate(args):
+        if i in static or is_node(a):
+            continue
+        out[i] = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x, a
+        )
+    return tuple(out)
 
 
 def default_device_count(topology: str | None, num_slices: int) -> int:

@@ -5,39 +5,31 @@ without being compiled.
 Before compiling, a candidate is listed and not compiled when its shapes do not divide
 or its state alone (exact, from the shardings) exceeds the memory limit. The others are
 compiled in the order `Schedule` gives, which leaves uncompiled what a compiled point
-shows cannot be the fastest plan that fits (see `_schedule` for the two rules).
+shows cannot be the fastest plan that fits (see `pruning` for the two rules).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, TypeAlias
-
-import jax
 
 from ... import _errors
 from ..._units import format_bytes, format_seconds
 from .._built import Built
-from .._cost.hlo import remat_copies
-from .._hardware.capture import capturing
+from .._hardware.stderr import capturing
 from .._plan import Plan
 from .._ranking import Plans
-from .compile import Step, compile_candidate, in_shardings, listed, state_bytes
+from .._step import Step
+from .compile import compile_candidate, in_shardings, listed, precheck, state_bytes
+from .drive import drive
 from .knobs import Reads, check_microbatches, extensions, label, points, rank
-from .layouts import DATA_AXES, Candidate, LayoutSpec, Rules, candidates
+from .layouts import Candidate, LayoutSpec, Rules, candidates
 from .prepare import Target, check_layouts, has_optimizer_state, prepare, resolve_target
-from .pruning import Outcome, Schedule
+from .pruning import Schedule
 
 Builder: TypeAlias = Callable[[Mapping[str, Any]], Any]
 """``build(knobs)``, returning a `Built` (or a ``(step, args)`` pair)."""
-WORKERS = 2
-"""Compiles at a time: while one is traced and lowered (Python, holding the GIL), the
-other is in the compiler (which releases it)."""
 ADVICE_COMPILES = 6
 """At most this many extra points are compiled to say what would fit when nothing does."""
 
@@ -94,7 +86,7 @@ def search(
       ValueError: a space that is not names to values, a knob the builder never reads,
         a value it refuses, or a ``microbatches`` that does not divide the batch.
 
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> def build(knobs):
     ...     model = nnx.eval_shape(lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(0)))
@@ -203,105 +195,8 @@ def make_step(
         raise TypeError(_errors.search_bad_built(label(knobs), built))
     given = rules if rules is not None else built.rules  # the builder's, unless given
     step = prepare(built.step, built.args, built.jit_options, target, given, tp_cache)
-    check_microbatches(knobs, batch_of(step))
+    check_microbatches(knobs, step.batch)
     return dataclasses.replace(step, knobs=dict(knobs), model_flops=built.model_flops)
-
-
-def batch_of(step: Step) -> int | None:
-    """The leading dimension of the step's first data argument (None without one)."""
-    for i, arg in enumerate(step.args):
-        if i in step.static or i in step.variables:
-            continue
-        for leaf in jax.tree.leaves(arg):
-            if len(getattr(leaf, "shape", ())) > 0:
-                return int(leaf.shape[0])
-    return None
-
-
-def data_parallel(candidate: Candidate) -> int:
-    """The devices the batch is split over."""
-    return math.prod(candidate.mesh_shape.get(a, 1) for a in DATA_AXES)
-
-
-def precheck(step: Step, candidate: Candidate, prune: bool | str) -> Plan | None:
-    """``candidate``'s plan when it is listed without compiling (shapes that do not
-    divide, no tensor-parallel split, and with ``prune`` a state above the limit)."""
-    specs, problems = in_shardings(step, candidate)
-    if step.tp_problem is not None and "model" in candidate.mesh_shape:
-        return listed(step, candidate, specs, reason=step.tp_problem)
-    count, batch, size = step.knobs.get("microbatches"), batch_of(step), data_parallel(candidate)
-    if count and batch and not problems and (batch // count) % size:
-        named = ",".join(
-            f"{a}={candidate.mesh_shape[a]}" for a in DATA_AXES if a in candidate.mesh_shape
-        )
-        problems.append(
-            f"a microbatch of {batch // count} (batch {batch} / microbatches={count}) is not "
-            f"divisible by the data-parallel axes {named} ({size})"
-        )
-    if problems:
-        shown = "; ".join(problems[:3])
-        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        return listed(step, candidate, specs, reason=f"shapes do not divide: {shown}{more}")
-    state = state_bytes(step, candidate, specs)
-    if prune and state > step.limit:
-        reason = (
-            f"not compiled: its state alone needs {state:,} bytes per device, "
-            f"{state - step.limit:,} more than the limit of {step.limit:,}"
-        )
-        return listed(step, candidate, specs, reason=reason, pruned="state", state_bytes=state)
-    return None
-
-
-def drive(
-    schedule: Schedule, work: Sequence[tuple[Step, Candidate]], progress: bool
-) -> dict[int, Plan]:
-    """Compiles the units ``schedule`` gives, `WORKERS` at a time (one traced while the
-    other compiles), with the compilers' output captured, each worker with its own GPU
-    kernel cache (`compiler_options`); the compiled plans by unit."""
-    done: dict[int, Plan] = {}
-    bar = _Bar(progress, schedule.open_count())
-    with (
-        bar,
-        capturing(),
-        tempfile.TemporaryDirectory(prefix="nnx_sharding-kernels-") as folder,
-        ThreadPoolExecutor(max_workers=WORKERS) as pool,
-    ):
-        free = [os.path.join(folder, f"kernels-{k}.bin") for k in range(WORKERS)]
-        running: dict[Any, tuple[int, str]] = {}
-        try:
-            while True:
-                while free:
-                    i = schedule.next(busy=[unit for unit, _ in running.values()])
-                    if i is None:
-                        break
-                    kernels = free.pop()
-                    running[pool.submit(compile_candidate, *work[i], kernels)] = (i, kernels)
-                    bar.show(work[i][1], work[i][0].knobs)
-                if not running:
-                    break
-                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-                for future in finished:
-                    i, kernels = running.pop(future)
-                    free.append(kernels)
-                    plan = done[i] = future.result()
-                    before = len(schedule.pruned)
-                    schedule.record(i, _outcome(plan))
-                    bar.advance(1 + len(schedule.pruned) - before)
-        except BaseException:  # an interrupt or an error: start no other candidate
-            for future in running:
-                future.cancel()
-            raise
-    return done
-
-
-def _outcome(plan: Plan) -> Outcome:
-    if plan.memory is None or plan.time is None:
-        return Outcome(None)
-    program = plan.program
-    names = (
-        [k.name for k in program.kernels] + [c.name for c in program.collectives] if program else []
-    )
-    return Outcome(plan.fits, plan.time.step, plan.memory.peak, remat_copies(names) > 0)
 
 
 def _pruned(
@@ -354,7 +249,7 @@ def advise(
     with capturing():
         for p in closest[:2]:
             candidate = Candidate(p.layout, dict(p.mesh_shape))
-            sizes = (batch_of(p.source), data_parallel(candidate))
+            sizes = (p.source.batch, candidate.data_parallel)
             tries = extensions(p.knobs, reads, *sizes)
             while tries:
                 knobs = tries.pop(0)
@@ -371,36 +266,6 @@ def advise(
                 if plan.fits:
                     return out
     return out
-
-
-class _Bar:
-    """A progress bar over the points to compile (those pruned count as done)."""
-
-    def __init__(self, show: bool, total: int):
-        self._show, self._total = show, total
-        self._bar: Any = None
-
-    def __enter__(self) -> _Bar:
-        if self._show:
-            from rich.progress import Progress
-
-            self._bar = Progress(transient=True)
-            self._bar.__enter__()
-            self._task = self._bar.add_task("compiling", total=self._total)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-
-    def show(self, candidate: Candidate, knobs: Mapping[str, Any]) -> None:
-        if self._bar is not None:
-            what = candidate.label + (f" {label(knobs)}" if knobs else "")
-            self._bar.update(self._task, description=f"compiling {what}")
-
-    def advance(self, count: int) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task, count)
 
 
 def plan(
@@ -447,7 +312,7 @@ def plan(
     Returns:
       The ranked `Plans`.
 
-    >>> import jax.numpy as jnp, optax
+    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> model = nnx.eval_shape(lambda: nnx.Linear(16, 16, rngs=nnx.Rngs(0)))
     >>> def step(model, x):
