@@ -1,6 +1,6 @@
 """Plans published, measured MaxText runs exactly as they ran, and prints the cost
-model's predicted step time beside the published one (docs/planning.md, "Predictions
-against published runs").
+model's predicted step time beside the published one (docs/planning/predictions.md,
+"Predictions against published runs").
 
     python docs/scripts/calibration.py llama2-7b      # 8 H100s, FSDP 8 (GPU compiler)
     python docs/scripts/calibration.py maxtext-32b    # v5p-128, FSDP 16 x tensor 4

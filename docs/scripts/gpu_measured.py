@@ -1,6 +1,6 @@
 """The planner's answer for one GPU held against the GPU: a 1B-parameter decoder's
 training step planned with no device (the compile-only GPU compiler), then run on the
-GPU at the same knob values (docs/planning.md, "Measured on a GPU").
+GPU at the same knob values (docs/planning/predictions.md, "Measured on a GPU").
 
     python docs/scripts/gpu_measured.py predict --accelerator h200 > predicted.json
     python docs/scripts/gpu_measured.py measure --accelerator h200 > measured.json

@@ -1,5 +1,5 @@
-"""Times `nnx_sharding.plan.search` on a llama-shaped decoder (docs/planning.md, "How
-long a search takes"): how many points it compiles, and how long it takes.
+"""Times `nnx_sharding.plan.search` on a llama-shaped decoder (docs/planning/search.md,
+"How long a search takes"): how many points it compiles, and how long it takes.
 
     python docs/scripts/search_timing.py llama3-8b --devices 64 --accelerator h100 \\
         --batch 512 --seq 8192 --remat none,dots,full --microbatches 1,2,4,8

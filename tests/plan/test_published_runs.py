@@ -1,8 +1,8 @@
-"""The cost model against published, measured runs (docs/planning.md, "Predictions
-against published runs"): each run, planned exactly as published (its one mesh, remat
-policy, dtypes, batch, compiler flags) and compiled for its target with no device, fits
-as it ran, is predicted within 15 % of its published step time, and its range holds
-the published time.
+"""The cost model against published, measured runs (docs/planning/predictions.md,
+"Predictions against published runs"): each run, planned exactly as published (its one
+mesh, remat policy, dtypes, batch, compiler flags) and compiled for its target with no
+device, fits as it ran, is predicted within 15 % of its published step time, and its
+range holds the published time.
 
 The 7B-32B steps are compiled by ``docs/scripts/calibration.py``, which rebuilds the
 runs, each in a process of its own (a run's published XLA flags are read when jax

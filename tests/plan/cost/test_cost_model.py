@@ -1,5 +1,5 @@
-"""The cost model as docs/planning.md writes it down: each collective on the link it
-spans, each kernel its own roofline, and the overlap rules."""
+"""The cost model as docs/planning/cost_model.md writes it down: each collective on the
+link it spans, each kernel its own roofline, and the overlap rules."""
 
 from __future__ import annotations
 
