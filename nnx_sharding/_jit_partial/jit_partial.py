@@ -104,6 +104,8 @@ class JitPartialWrapped(Generic[R]):
         functools.update_wrapper(self, fun)
         self.fun = fun
         # None takes flax's context (nnx.set_graph_mode, nnx.set_graph_updates)
+        self.graph: bool
+        self.graph_updates: bool
         self.graph, self.graph_updates = resolve_mode(graph, graph_updates)
         n = len(partial_args)
         if isinstance(in_shardings, (tuple, list)):
