@@ -151,7 +151,7 @@ def test_tensor_parallel_reduce_scatters_activations_per_block_and_pass(plans):
     in the forward pass; in the backward pass one per MLP block and one per projection of
     the attention's input (q, k and v: the CPU compiler reduces each partial input
     gradient on its own rather than their sum; the GPU compiler reduces the sum,
-    Megatron's 4 per layer: tests/plan/test_loops.py). Each block's input is gathered
+    Megatron's 4 per layer: tests/plan/cost/test_loops.py). Each block's input is gathered
     again (at least once per block, forward); all that is all-reduced is the norms'
     statistics, one float per token."""
     tp = pick(plans, "tp")

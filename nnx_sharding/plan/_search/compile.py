@@ -203,30 +203,26 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         Topology.of(list(step.devices)[:n], step.accelerator.devices_per_node),
         entered(instrs),
     )
-    predicted = program.time(step.accelerator)
-    fits = memory.peak <= step.limit
-    reason = None
-    if not fits:
-        reason = (
-            f"needs {memory.peak:,} bytes per device, {memory.peak - step.limit:,} more than "
-            f"the limit of {step.limit:,}"
-        )
+    over = memory.peak - step.limit
+    too_big = (
+        f"needs {memory.peak:,} bytes per device, {over:,} more than the limit of {step.limit:,}"
+    )
     return listed(
         step,
         candidate,
         specs,
         memory=memory,
-        fits=fits,
+        time=program.time(step.accelerator),
         flops=flops,
         collectives=summary(found),
-        time=predicted,
-        reason=reason,
+        detail=tuple(found),
+        program=program,
+        state_bytes=state,
         notes=tuple(notes),
         compile_seconds=seconds,
-        detail=tuple(found),
         compiled=True,
-        state_bytes=state,
-        program=program,
+        fits=over <= 0,
+        reason=None if over <= 0 else too_big,
     )
 
 
