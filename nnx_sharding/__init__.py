@@ -18,6 +18,7 @@ from ._jit import jit as jit
 from ._jit_partial.jit_partial import JitPartialWrapped as JitPartialWrapped
 from ._jit_partial.jit_partial import jit_partial as jit_partial
 from ._metadata import shard as shard
+from ._pipeline import pipeline as pipeline
 from ._shard_map import ShardMapFn as ShardMapFn
 from ._shard_map import shard_map as shard_map
 from ._stages import Compiled as Compiled
@@ -45,6 +46,7 @@ __all__ = [
     "inspect_sharding",
     "jit",
     "jit_partial",
+    "pipeline",
     "plan",
     "shard",
     "shard_map",

@@ -13,6 +13,7 @@ from .checkpoint import *  # noqa: F403
 from .layout import format_message as format_message
 from .objects import *  # noqa: F403
 from .partial import *  # noqa: F403
+from .pipeline import *  # noqa: F403
 from .plan import *  # noqa: F403
 from .plan_decoder import *  # noqa: F403
 from .plan_hardware import *  # noqa: F403
