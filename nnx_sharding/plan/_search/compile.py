@@ -235,9 +235,9 @@ def temporaries(compiler: str, stats: Any) -> int:
     on TPUs what its own peak (``peak_memory_in_bytes``) leaves beside the arguments and
     outputs, since there ``temp_size_in_bytes`` counts the temporaries' fragmentation
     twice: for the 32B calibration run, the arguments and ``temp_size_in_bytes`` add up to
-    more than the chip holds, its peak does not, and the run fit as published (measured,
-    with libtpu's own log: docs/planning/predictions.md, "Predictions against published
-    runs"). The GPU compiler's peak equals arguments + outputs - alias + temp
+    more than the chip holds, the compiler's peak does not, and the run fit as published
+    (measured, with libtpu's own log: docs/planning/predictions.md, "Predictions against
+    published runs"). The GPU compiler's peak equals arguments + outputs - alias + temp
     (checked); the CPU compiler's falls below its own arguments, so neither is read.
     """
     temp = int(stats.temp_size_in_bytes)

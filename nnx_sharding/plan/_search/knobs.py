@@ -26,8 +26,8 @@ REMAT_ORDER = ("none", "dots_with_context", "dots", "full")
 fewer activations than the one before: everything; the weight matmuls' outputs and the
 attention's (``dots_with_context``); the weight matmuls' outputs
 (``checkpoint_dots_with_no_batch_dims``); each layer's input (``nothing_saveable``).
-Each saves memory and recomputes more than the one before (measured for Llama 2 7B:
-docs/planning/decoder.md, the remat table)."""
+Each saves memory and recomputes more than the one before (measured for Llama 2 7B on 8
+H100s: docs/planning/decoder.md, its memory table)."""
 KNOWN = ("remat", "microbatches")
 
 
