@@ -22,8 +22,9 @@ NOT_NODES: set[type] = {tuple, list, dict, int, float, bool, complex, str, bytes
 def is_node(x: Any) -> bool:
     """flax's ``nnx.graph.is_graph_node``, answered from the type where it can be.
 
-    flax's answer costs 2-4 µs for a non-node (it asks whether ``x`` is an array
-    ref); `jit` asks it of every argument on every call.
+    flax's answer is slow for a non-node (it asks whether ``x`` is an array ref), and
+    `jit` asks it of every argument on every call (measured: docs/performance.md, "Why
+    the no-op step stays above 2× floor (b)").
     """
     kind = type(x)
     if kind in NOT_NODES:

@@ -7,7 +7,7 @@ when ``--timeout`` passes or when the launcher is interrupted. The script calls
 :func:`initialize_distributed`, which also works unchanged on a real cluster.
 
 The launcher process never starts a jax backend (running it as ``-m nnx_sharding.launch``
-imports the package, and so jax, which takes about 2 s).
+imports the package, and so jax, and nothing more).
 """
 
 from __future__ import annotations

@@ -2,13 +2,14 @@
 
 Why: on every fast call the `snapshot` proves that no container of the graphs gained,
 lost or replaced a value: the identity of each of ~2,800 values for a depth-100 MLP. In
-Python that is ``all(map(operator.is_, xs, ys))``, 25-30 ns a value (a function call per
-pair). A list's ``==`` is quicker, but it compares two different objects by their ``==``,
-and a Variable or a scalar array compares equal to another one that holds the same value:
-a replaced object would go unseen. A list keeps its items as an array of object pointers;
-two lists hold the same objects in the same order exactly when those arrays are
-byte-equal. `same_objects` copies both with ``ctypes.string_at`` and compares the bytes
-(a memcmp): about 1 ns a value. ``ctypes`` is part of the standard library; nothing is
+Python that is ``all(map(operator.is_, xs, ys))``, a function call per pair. A list's
+``==`` is quicker, but it compares two different objects by their ``==``, and a Variable
+or a scalar array compares equal to another one that holds the same value: a replaced
+object would go unseen. A list keeps its items as an array of object pointers; two lists
+hold the same objects in the same order exactly when those arrays are byte-equal.
+`same_objects` copies both with ``ctypes.string_at`` and compares the bytes (a memcmp),
+with no function call per value (measured: docs/performance.md, "Why the no-op step
+stays above 2× floor (b)"). ``ctypes`` is part of the standard library; nothing is
 compiled.
 
 Sound because the snapshot keeps its objects alive (``ys``): an address is reused only

@@ -2,13 +2,13 @@
 
 Why: on the fast path (`snapshot`, `cache`) every call reads every Variable's metadata
 and value, and writes the values the program changed. flax's public methods cost more
-than jax's own dispatch for a large model: ``get_metadata()`` copies the dict (0.44 µs a
-Variable: 260 µs a call for the 602 Variables of a depth-100 MLP), and ``set_raw_value``
-checks the trace level on every write (2.3 µs a Variable: 1.4 ms a train step). Here
-the snapshot compares each Variable's live metadata dict with a copy (one C-level list
-comparison), values are read and written through the slot, and flax's trace-level
-guarantee is kept by one check per call (`cache.fast_call` compares jax's trace state
-with the one the split was cached at, where the full path's writes were allowed).
+than jax's own dispatch for a large model: ``get_metadata()`` copies the dict, and
+``set_raw_value`` checks the trace level on every write (measured: docs/performance.md,
+"Why the no-op step stays above 2× floor (b)"). Here the snapshot compares each
+Variable's live metadata dict with a copy (one C-level list comparison), values are read
+and written through the slot, and flax's trace-level guarantee is kept by one check per
+call (`cache.fast_call` compares jax's trace state with the one the split was cached at,
+where the full path's writes were allowed).
 
 The layout is probed once, at import (`_probe`): the metadata slot holds a plain dict
 that ``get_metadata`` copies and ``set_metadata`` updates in place (by name) or replaces
@@ -129,8 +129,9 @@ def attribute_writer(node: Any, key: Any) -> str | None:
 
 def writer(variables: Sequence[nnx.Variable[Any]]) -> Callable[[Sequence[Any]], None]:
     """``values -> None`` writing ``values[i]`` to ``variables[i]``, as `setter` would:
-    in one C-level pass through the slots when every Variable is plain (0.1 µs a Variable,
-    against 0.16 µs through `setter`s)."""
+    in one C-level pass through the slots when every Variable is plain, cheaper than a
+    `setter` for each (measured: docs/performance.md, "Why the no-op step stays above 2×
+    floor (b)")."""
     if all(map(_plain, variables)):
         targets = list(variables)
 

@@ -70,8 +70,8 @@ def read_gb(abstract: Nested) -> float:
     to be strictly less than its cap).
 
     By default orbax reads every shard into a host buffer at once before putting it on
-    its device: the buffers of a whole model, beside the model (1.7x its size at the
-    peak, for a 1 GiB model). Capped, the buffers are reused: 1.1-1.2x.
+    its device: the buffers of a whole model, beside the model. Capped, the buffers are
+    reused (measured: docs/checkpoints.md, "A model too big for one device").
     """
     sizes = [x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)]
     return (max([READ_FRACTION * sum(sizes), *sizes]) + 1024) / 1e9

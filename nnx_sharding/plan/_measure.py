@@ -62,9 +62,10 @@ def materialise(step: Step, plan: Plan, mesh: Any) -> tuple[Any, ...]:
 
 
 def _place(value: Any, sharding: Any) -> Any:
-    """``value`` on ``sharding``; an abstract float array as ``|N(0, 0.02²)|`` (not zeros:
-    a GPU multiplies zeros faster, 894 against 788 TFLOP/s measured on an H200, so
-    zeros would flatter `Plans.measure`; positive, so that a second moment stays one)."""
+    """``value`` on ``sharding``; an abstract float array as ``|N(0, 0.02²)|`` (not zeros,
+    which a GPU multiplies faster, so that zeros would flatter `Plans.measure`: measured
+    in docs/planning/predictions.md, "Measured on a GPU"; positive, so that a second
+    moment stays one)."""
     if isinstance(value, jax.ShapeDtypeStruct):
         if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
             data = jnp.zeros((*value.shape, 2), jnp.uint32)

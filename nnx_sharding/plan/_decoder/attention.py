@@ -14,9 +14,8 @@ compile-only devices the planner uses (no accelerator present):
   kernel for GPUs (``jax.experimental.pallas.ops.gpu.attention``, Triton) is compiled
   in its place, for shapes it takes (`triton_attention`): the same algorithm, the same
   memory, and FLOPs the cost model counts as it counts cuDNN's. So a plan made with no
-  GPU prices the step that runs on one: on an H200, a 1B decoder's step predicted at
-  209 ms ran in 195 ms with cuDNN, where the blockwise attention's step (predicted
-  363 ms) ran in 345 ms (docs/planning.md, "Measured on a GPU"). In float32, the
+  GPU prices the step that runs on one with cuDNN, not the slower blockwise attention's
+  (measured: docs/planning/predictions.md, "Measured on a GPU"). In float32, the
   blockwise attention below.
 - CPU, and every shape the kernels above do not take: `blockwise_attention`, written in
   JAX: flash attention's algorithm, blocks of queries and keys, a running softmax, and a

@@ -1,7 +1,7 @@
 """What an accelerator can do, for the planner's cost model: `Accelerator` and its presets.
 
 Every figure is per device, dense (no structured sparsity), from public data sheets; the
-sources are listed in ``docs/planning.md`` ("Cost model constants"):
+sources are listed in ``docs/planning/cost_model.md`` ("Cost model constants"):
 
 ========== ========= ========= ======= ========= ================ ================ =====
 preset     bf16      fp32      HBM     HBM B/s   in node, 1 way   across nodes     node
@@ -218,14 +218,14 @@ _GB = 10**9
 _GIB = 2**30
 
 
-#: Achievable fractions of peak on NVIDIA GPUs (sources in docs/planning.md, "Cost model
-#: constants"). Matmuls: what a training step's GEMMs and flash attention sustain, set
-#: from the 8xH100 calibration run (MaxText llama2-7b, 492 TFLOP/s of model FLOPs per
-#: GPU: predicted within 3 % at 0.6); public benchmarks put large random bf16 GEMMs
-#: alone higher (about 83 % of peak on A100, less on the power-limited H100). HBM: copy
-#: and STREAM benchmarks reach 3.0-3.1 of the H100's 3.35 TB/s. Links: nccl-tests'
-#: all-reduce bus bandwidth on 8 H100s, about 370 of 450 GB/s. A kernel's launch and
-#: tail: a few microseconds without CUDA graphs.
+#: Achievable fractions of peak on NVIDIA GPUs (sources in docs/planning/cost_model.md,
+#: "Cost model constants"). Matmuls: what a training step's GEMMs and flash attention
+#: sustain, set from the 8xH100 calibration run (MaxText llama2-7b, 492 TFLOP/s of model
+#: FLOPs per GPU; the prediction against it: docs/planning/predictions.md); public
+#: benchmarks put large random bf16 GEMMs alone higher (about 83 % of peak on A100, less
+#: on the power-limited H100). HBM: copy and STREAM benchmarks reach 3.0-3.1 of the
+#: H100's 3.35 TB/s. Links: nccl-tests' all-reduce bus bandwidth on 8 H100s, about 370 of
+#: 450 GB/s. A kernel's launch and tail: a few microseconds without CUDA graphs.
 GPU_EFFICIENCY: dict[str, Any] = dict(
     matmul_efficiency=0.6,
     hbm_efficiency=0.9,
@@ -234,9 +234,9 @@ GPU_EFFICIENCY: dict[str, Any] = dict(
     spread=0.1,
 )
 #: The same for TPUs. Matmuls: set from the v5p-128 calibration run (MaxText 32B, 328
-#: TFLOP/s of model FLOPs per chip: predicted within 3 % at 0.8); the MXUs of v5e and
-#: v6e are taken to sustain the same fraction. HBM as the GPUs'; ICI links 0.9 (the
-#: calibration run hides its collectives: it cannot set this figure).
+#: TFLOP/s of model FLOPs per chip; the prediction against it, as for the GPUs); the MXUs
+#: of v5e and v6e are taken to sustain the same fraction. HBM as the GPUs'; ICI links 0.9
+#: (the calibration run hides its collectives: it cannot set this figure).
 TPU_EFFICIENCY: dict[str, Any] = dict(
     matmul_efficiency=0.8,
     hbm_efficiency=0.9,

@@ -3,7 +3,7 @@
 Installed as the packages jax knows (``libtpu``, ``jax-cuda12-pjrt`` and
 ``jax-cuda12-plugin``), the TPU and GPU compilers are loaded by every jax program of the
 environment: on a machine without a GPU or TPU, ``import jax; jax.devices()`` then
-prints 30 lines of their start-up errors (jax 0.10.2, measured). So
+prints their start-up errors, a screenful (docs/planning/compilers.md). So
 ``python -m nnx_sharding compilers --install`` puts them with pip in a folder of their
 own (`compilers_dir`), which no program searches, and the planner loads them from there
 when it first asks for compile-only devices: ``libtpu`` through ``TPU_LIBRARY_PATH``,

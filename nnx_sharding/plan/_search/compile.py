@@ -230,13 +230,10 @@ def temporaries(compiler: str, stats: Any) -> int:
     """The step's temporary bytes per device: the compiler's ``temp_size_in_bytes``, or
     on TPUs what its own peak (``peak_memory_in_bytes``) leaves beside the arguments and
     outputs, since there ``temp_size_in_bytes`` counts the temporaries' fragmentation
-    twice.
-
-    For the 32B calibration run (v5p, FSDP 16 × tensor 4), libtpu's log gives 79.78 GiB
-    of program (12.17 GiB of fragmentation included) and 5.68 GiB of arguments;
-    ``temp_size_in_bytes`` is 91.92 GiB (79.75 + 12.17) and puts the peak at 97.6 GiB,
-    over a 95 GiB chip, ``peak_memory_in_bytes`` at 84.97 GiB, and the run fit as
-    published. The GPU compiler's peak equals arguments + outputs - alias + temp
+    twice: for the 32B calibration run, the arguments and ``temp_size_in_bytes`` add up to
+    more than the chip holds, the compiler's peak does not, and the run fit as published
+    (measured, with libtpu's own log: docs/planning/predictions.md, "Predictions against
+    published runs"). The GPU compiler's peak equals arguments + outputs - alias + temp
     (checked); the CPU compiler's falls below its own arguments, so neither is read.
     """
     temp = int(stats.temp_size_in_bytes)
@@ -252,12 +249,12 @@ def compiler_options(compiler: str, kernels: str | None) -> dict[str, Any] | Non
     kernel cache, so that a kernel compiled for one candidate is not compiled again for
     the next.
 
-    Only the GPU kernels' machine code is cached; the optimized HLO and the buffer
-    assignment, where every figure of a plan comes from, are made anew each time.
-    Measured on 2 CPU cores for llama3-8b on 64 H100s: ptxas and LLVM took 2.8 s of a
-    3.1 s compile, and the search over every layout and 12 knob points took 265 s with
-    the cache against 512 s without, with the same plans to the byte and second. One
-    file per concurrent compile: the compiler reads, extends and rewrites it whole.
+    Most of a GPU compile is the kernels' machine code (ptxas and LLVM), which no plan
+    reads, and only that is cached: the optimized HLO and the buffer assignment, where
+    every figure of a plan comes from, are made anew each time, so a search is faster
+    with the cache and its plans are the same (measured: docs/planning/search.md, "How
+    long a search takes"). One file per concurrent compile: the compiler reads, extends
+    and rewrites it whole.
     """
     if compiler != "gpu" or kernels is None:
         return None

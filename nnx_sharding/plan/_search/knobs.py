@@ -26,8 +26,8 @@ REMAT_ORDER = ("none", "dots_with_context", "dots", "full")
 fewer activations than the one before: everything; the weight matmuls' outputs and the
 attention's (``dots_with_context``); the weight matmuls' outputs
 (``checkpoint_dots_with_no_batch_dims``); each layer's input (``nothing_saveable``).
-Each saves memory and recomputes more than the one before (7B on 8 H100s, FSDP:
-137.6, 69.4, 62.3 and 24.4 GiB per GPU)."""
+Each saves memory and recomputes more than the one before (measured for Llama 2 7B on 8
+H100s: docs/planning/decoder.md, its memory table)."""
 KNOWN = ("remat", "microbatches")
 
 
@@ -62,11 +62,10 @@ def no_faster(a: Rank, b: Rank) -> bool:
     the weights' reads and gathers; neither removes work).
 
     From no remat to a policy is the exception: saving fewer activations also writes
-    and reads fewer, which can outweigh the recomputation. Measured on an H200, a 1B
-    decoder's step took 321 ms without remat and 302 ms saving the matmuls' and the
-    attention's outputs; a 3B's 741 ms without and 707 ms with ``dots``. So ``none``
-    bounds only its own remat value; among policies, more remat was slower every time
-    (302, 345, 379 ms from ``dots_with_context`` to ``full``).
+    and reads fewer, which can outweigh the recomputation, and did for a 1B and a 3B
+    decoder's steps on a GPU. So ``none`` bounds only its own remat value; among
+    policies, more remat was slower every time (measured: docs/planning/search.md,
+    "What is compiled").
 
     >>> no_faster(Rank((), 1, 1), Rank((), 3, 2)), no_faster(Rank((), 0, 1), Rank((), 1, 1))
     (True, False)

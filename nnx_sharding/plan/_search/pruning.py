@@ -8,11 +8,10 @@ leave a unit uncompiled, each from a compiled unit of its own lattice:
   (`no_faster`) is no faster than it; when that compiled unit already takes at least
   the time of the fastest plan that fits (of any lattice), the unit cannot be the
   fastest that fits. A compiled unit the compiler squeezed (recomputed on its own to
-  bring it under the device's memory) bounds nothing: its time is not its knobs'.
-  Measured on llama3-8b for 64 H100s (every point compiled): 207 of 276 compiled
-  points were squeezed (the GPU compiler aims at 60 GiB of an 80 GB H100), and
-  replaying the search with and without this compiles 196 and 200 points, both
-  finding the best.
+  bring it under the device's memory) bounds nothing: its time is not its knobs'. The
+  GPU compiler squeezes most points of a large model, and a search that leaves them
+  out of the rule compiles no more points and finds the same best plan (measured:
+  docs/planning/search.md, "How long a search takes").
 - **memory**: a unit that needs at least the memory of a compiled unit (`no_heavier`,
   reversed) that misses the memory limit by more than `MEMORY_MARGIN` does not fit
   either.
@@ -25,9 +24,8 @@ lattice: where two contradict it (a unit that recomputes more is faster by more 
 in (remat, microbatches, or both), and what it had pruned by it along them is compiled
 after all. A lattice's fastest point is compiled (no rule prunes it) unless
 a lighter one needs over twice the limit, so that the lightest points are checked
-against it. Measured on small models (a 2-layer MLP, 0.5 to 9 MiB per device): the CPU
-compiler needed up to 9 % more memory with full remat than with none under FSDP, the
-GPU compiler 17 % more with ``dots`` than with none at 2 microbatches.
+against it. Both rules fail on small models, where more remat can need more memory
+(measured: docs/planning/search.md, "What is compiled").
 
 With ``prune="pareto"``, a third rule, the issue's: a lattice whose compiled point is
 beaten on both memory and time by another lattice's at the same knob values is not
