@@ -257,8 +257,9 @@ def _pipelined(
     ring = [(i, (i + 1) % stages) for i in range(stages)]
     steps = microbatches * repeats + stages - 1
 
-    def stage(local: Any, xs: Any) -> Any:
+    def stage(local: Any, given_xs: Any) -> Any:
         s = jax.lax.axis_index(axis)
+        xs = jax.tree.map(lambda a: a[0], given_xs)  # stage 0's microbatches, else zeros
         groups = jax.tree.map(lambda a: a.reshape(repeats, per, *a.shape[1:]), local)
         zero = jax.tree.map(lambda a: jnp.zeros_like(a[0]), xs)
 
@@ -266,47 +267,56 @@ def _pipelined(
             return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
         def put(tree: Any, i: Any, value: Any, when: Any) -> Any:
-            return jax.tree.map(
-                lambda a, v: jnp.where(when, jax.lax.dynamic_update_index_in_dim(a, v, i, 0), a),
-                tree,
-                value,
-            )
+            """``tree[i] = value`` where ``when``: one microbatch's slice written (in
+            place), never the whole buffer selected."""
+
+            def one(a: jax.Array, v: jax.Array) -> jax.Array:
+                kept = jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+                return jax.lax.dynamic_update_index_in_dim(a, jnp.where(when, v, kept), i, 0)
+
+            return jax.tree.map(one, tree, value)
 
         def pick(when: Any, a: Any, b: Any) -> Any:
             return jax.tree.map(lambda u, v: jnp.where(when, u, v), a, b)
 
         def tick(carry: Any, t: Any) -> Any:
-            held, waiting, out = carry
+            # what is read at a traced index rides in the carry: a constant's cotangent
+            # would be a whole buffer added at every tick, a carry's is one slice
+            held, waiting, out, xs, groups = carry
             came = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), held)
-            # the first stage keeps a microbatch back from the last until its next round
             first = take(xs, t % microbatches)
-            if repeats > 1:
+            if repeats > 1:  # the first stage keeps a microbatch from the last for its round
                 back = t - stages
                 waiting = put(waiting, back % microbatches, came, (s == 0) & (back >= 0))
                 first = pick(t < microbatches, first, take(waiting, t % microbatches))
             mine = t - s  # this stage's work item: microbatch mine % M, round mine // M
             active = (mine >= 0) & (mine < microbatches * repeats)
             given = pick(active, pick(s == 0, first, came), zero)
-            layers = take(groups, jnp.clip(mine // microbatches, 0, repeats - 1))
+            if repeats > 1:
+                layers = take(groups, jnp.clip(mine // microbatches, 0, repeats - 1))
+            else:
+                layers = jax.tree.map(lambda a: a[0], groups)
             done = _scan(f, graphdef, layers, given)
             last = (s == stages - 1) & active & (mine >= (repeats - 1) * microbatches)
             out = put(out, mine % microbatches, done, last)
-            return (done, waiting, out), None
+            return (done, waiting, out, xs, groups), None
 
         waiting = jax.tree.map(jnp.zeros_like, xs) if repeats > 1 else ()
-        start = (zero, waiting, jax.tree.map(jnp.zeros_like, xs))
-        (_, _, out), _ = jax.lax.scan(tick, start, jnp.arange(steps))
-        # only the last stage holds the outputs: every stage gets them
-        return jax.tree.map(lambda a: jax.lax.psum(jnp.where(s == stages - 1, a, 0), axis), out)
+        start = (zero, waiting, jax.tree.map(jnp.zeros_like, xs), xs, groups)
+        (_, _, out, _, _), _ = jax.lax.scan(tick, start, jnp.arange(steps))
+        return jax.tree.map(lambda a: a[None], out)  # one row per stage
 
     context = jax.sharding.get_abstract_mesh()  # under auto_axes: the same axes, all Auto
     same = tuple(getattr(context, "axis_names", ()) or ()) == tuple(mesh.axis_names)
     mapped = jax.shard_map(
         stage,
         mesh=context if same else mesh,
-        in_specs=(jax.tree.map(lambda _: P(axis), placed), jax.tree.map(lambda _: P(), xs)),
-        out_specs=jax.tree.map(lambda _: P(), xs),
+        in_specs=(jax.tree.map(lambda _: P(axis), placed), jax.tree.map(lambda _: P(axis), xs)),
+        out_specs=jax.tree.map(lambda _: P(axis), xs),
         axis_names={axis},
         check_vma=False,
     )
-    return jax.tree.map(join, mapped(placed, xs))
+    # the inputs go to the first stage alone, the outputs come from the last alone: no
+    # collective sums over the stages (whose backward would be one, of x's dtype)
+    given = jax.tree.map(lambda a: jnp.zeros((stages, *a.shape), a.dtype).at[0].set(a), xs)
+    return jax.tree.map(lambda a: join(a[-1]), mapped(placed, given))

@@ -36,6 +36,9 @@ class Step:
     knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model_flops: float | None = None  # the builder's count, all devices, per step
     tp_problem: str | None = None  # why no tensor-parallel candidate can be built
+    stage: dict[int, dict[Path, P] | None] = dataclasses.field(default_factory=dict)
+    """The layer dimension's spec over ``stage`` per graph-node argument, from the
+    Variables' metadata (empty: no pipeline candidate can be built)."""
 
     @property
     def batch(self) -> int | None:

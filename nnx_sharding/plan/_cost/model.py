@@ -173,7 +173,7 @@ def collective_time(
     >>> round(collective_time(gather, h100) * 1e3, 1)  # 7/8 of 8 GB at 0.82 x 450 GB/s
     19.0
     """
-    group = _group(c)
+    group = _group(c, topology, accelerator.devices_per_node)
     n = len(group)
     if n <= 1:
         return 0.0
@@ -199,11 +199,20 @@ def collective_time(
     return accelerator.inter_latency + max(inside, across)
 
 
-def _group(c: Collective) -> tuple[int, ...]:
-    """The collective's largest group (for a collective-permute, a pair that moves)."""
+def _group(c: Collective, topology: Topology | None, per_node: int) -> tuple[int, ...]:
+    """The collective's largest group; for a collective-permute, a pair that moves, one
+    that crosses nodes where any does (all pairs send at once: the slowest link sets
+    the time, as a pipeline's stages across nodes do)."""
     if c.kind == "collective-permute":
         moving = [g for g in c.groups if len(set(g)) > 1]
-        return tuple(moving[0]) if moving else ()
+
+        def node(i: int) -> int:
+            if topology is None:
+                return i // per_node
+            return topology.nodes[i] if i < len(topology.nodes) else 0
+
+        crossing = [g for g in moving if len({node(i) for i in g}) > 1]
+        return tuple((crossing or moving or [()])[0])
     return tuple(max(c.groups, key=len, default=()))
 
 
@@ -241,7 +250,7 @@ def critical(c: Collective, mesh_shape: Mapping[str, int]) -> bool:
         return not c.hidden
     if c.kind == "collective-permute":
         return False
-    return "model" in spanned_axes(_group(c), mesh_shape)
+    return "model" in spanned_axes(_group(c, None, 1), mesh_shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,12 +61,22 @@ class DecoderConfig:
     attention: str = "auto"
     """The attention kernel, one of `ATTENTION` (``auto``: the target's, see
     `attention_kernel`)."""
+    pipeline_microbatches: int | None = None
+    """Under a mesh with a ``stage`` axis, the microbatches `nnx_sharding.pipeline` runs
+    the (scanned) layers in; None: as many as the stages, the fewest it takes."""
+    pipeline_repeats: int = 1
+    """Under a mesh with a ``stage`` axis, the rounds each microbatch makes through the
+    stages (1: GPipe; more: the circular schedule)."""
 
     def __post_init__(self) -> None:
         for field in ("vocab", "d_model", "heads", "head_dim", "mlp", "layers", "batch",
                       "seq_len"):  # fmt: skip
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(_errors.decoder_bad_size(field, value))
+        for field in ("pipeline_microbatches", "pipeline_repeats"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(_errors.decoder_bad_size(field, value))
         if self.kv_heads is not None:
             if not isinstance(self.kv_heads, int) or self.kv_heads < 1:
@@ -161,6 +171,7 @@ two-matrix MLP): ``tiny`` (docs, tests), ``1b`` (1.04B, 18 layers of width 2048)
 ``1b-wide`` (1.07B, 4 layers of width 4096: compiles several times faster)."""
 
 LOGICAL_AXES = {
+    "layers": "stage",
     "batch": "data",
     "embed": "data",
     "heads": "model",
@@ -169,9 +180,11 @@ LOGICAL_AXES = {
 }
 """Logical axis -> mesh axis for ``python -m nnx_sharding aot``: FSDP shards the
 ``embed`` dimension of every matrix over ``data`` (and the batch with it), tensor
-parallelism splits heads, MLP units and the vocabulary over ``model``."""
+parallelism splits heads, MLP units and the vocabulary over ``model``; the stacked layers
+go over ``stage`` where the mesh has one."""
 
 DECODER_RULES: tuple[tuple[str, str | None], ...] = (
+    ("layers", "stage"),
     ("heads", "model"),
     ("kv_heads", "model"),
     ("mlp", "model"),
@@ -180,5 +193,5 @@ DECODER_RULES: tuple[tuple[str, str | None], ...] = (
 )
 """The parameters' logical axes for `plan`'s ``rules``: tensor parallelism splits query
 heads, key/value heads (named ``kv_heads`` under grouped-query attention, ``heads``
-without it), MLP units and the vocabulary over ``model``; FSDP picks each Variable's
-largest dimension itself."""
+without it), MLP units and the vocabulary over ``model``; pipeline parallelism splits
+the stacked layers over ``stage``; FSDP picks each Variable's largest dimension itself."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from ..._pipeline import pipeline
 from .activation_sharding import constrain_activation as constrain
 from .attention import causal_attention
 from .configs import ACTIVATIONS, DecoderConfig
@@ -105,13 +106,14 @@ def _block(c: DecoderConfig, x: jax.Array, w: dict[str, jax.Array], rope: Any) -
 
 class Block(nnx.Module):
     """One layer: attention and an MLP around the residual stream. With ``stack=L``,
-    the weights of L such layers, stacked on a leading (unsharded) axis."""
+    the weights of L such layers, stacked on a leading axis named ``layers`` (split
+    over ``stage`` by `DECODER_RULES` under pipeline parallelism)."""
 
     def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs, stack: int | None = None):
         self.config = c
         for name, (shape, names) in _block_shapes(c).items():
             if stack is not None:
-                shape, names = (stack, *shape), (None, *names)
+                shape, names = (stack, *shape), ("layers", *names)
             norm = name.endswith("norm")
             setattr(self, name, _param(rngs, shape, names, c.param_dtype, norm=norm))
 
@@ -163,7 +165,13 @@ class Decoder(nnx.Module):
         if c.remat != "none":  # each layer rematerialized on its own
             layer = nnx.remat(layer, policy=remat_policy(c.remat), prevent_cse=not c.scan)
         layers: Any = self.layers  # one Block of stacked weights when scanned, else a List
-        if c.scan:
+        stages = _stages()
+        if c.scan and stages > 1:  # the stacked layers as a pipeline over 'stage'
+            microbatches = c.pipeline_microbatches or stages
+            run = pipeline(lambda block, x: layer(x, block), microbatches=microbatches,
+                           repeats=c.pipeline_repeats)  # fmt: skip
+            x = run(layers, x)
+        elif c.scan:
             x = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, layers)
         else:
             for block in layers:
@@ -174,6 +182,13 @@ class Decoder(nnx.Module):
         else:
             logits = x @ self.head[...].astype(dtype)
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
+
+
+def _stages() -> int:
+    """The size of the ``stage`` axis of the mesh set (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    return dict(zip(names, mesh.axis_sizes, strict=True)).get("stage", 1) if names else 1
 
 
 def loss_fn(model: Decoder, tokens: jax.Array) -> jax.Array:

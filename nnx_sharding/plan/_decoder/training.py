@@ -26,7 +26,12 @@ from .activation_sharding import activation_spec
 from .configs import DECODER_RULES, DecoderConfig
 from .model import Decoder, loss_fn
 
-KNOBS: dict[str, Any] = {"remat": "none", "microbatches": 1}
+KNOBS: dict[str, Any] = {
+    "remat": "none",
+    "microbatches": 1,
+    "pipeline_microbatches": None,
+    "pipeline_repeats": 1,
+}
 """The knobs `decoder_builder`'s ``build`` takes, and their defaults."""
 
 
@@ -106,7 +111,9 @@ def make_train_step(
 def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Built]:
     """A step builder for ``config``: ``build(knobs)`` gives the decoder's AdamW step
     with ``knobs`` applied (``remat``: a name in `REMAT_POLICIES`, default ``'none'``;
-    ``microbatches``: gradient accumulation, default 1), its abstract arguments (the
+    ``microbatches``: gradient accumulation, default 1; ``pipeline_microbatches`` and
+    ``pipeline_repeats``: the pipeline's, under a mesh with a ``stage`` axis, see
+    `DecoderConfig`), its abstract arguments (the
     model, the optimizer, the ``(batch, seq_len + 1)`` int32 tokens; built with
     ``nnx.eval_shape``, never allocated), ``donate_argnums=(0, 1)``,
     `DecoderConfig.model_flops` and `DECODER_RULES` (which `search` uses unless given
@@ -125,7 +132,12 @@ def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Buil
             raise ValueError(_errors.decoder_unknown_knobs(unknown, list(KNOBS)))
         # each knob asked for by name: a search learns which ones the step reads
         knobs = {name: knobs.get(name, default) for name, default in KNOBS.items()}
-        c = dataclasses.replace(config, remat=knobs["remat"])
+        c = dataclasses.replace(
+            config,
+            remat=knobs["remat"],
+            pipeline_microbatches=knobs["pipeline_microbatches"],
+            pipeline_repeats=knobs["pipeline_repeats"],
+        )
         k = knobs["microbatches"]
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or c.batch % k:
             raise ValueError(_errors.microbatches_indivisible("decoder_builder", k, c.batch))

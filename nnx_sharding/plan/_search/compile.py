@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,7 +24,7 @@ from .._hardware.devices import mesh_in_order
 from .._hardware.stderr import offset, since
 from .._plan import Plan, bind
 from .._step import Step
-from .layouts import DATA_AXES, Candidate, data_spec, node_specs
+from .layouts import DATA_AXES, STAGE, Candidate, data_spec, node_specs
 
 
 def in_shardings(step: Step, candidate: Candidate) -> tuple[tuple[Any, ...], list[str]]:
@@ -37,7 +37,9 @@ def in_shardings(step: Step, candidate: Candidate) -> tuple[tuple[Any, ...], lis
         if i in step.static:
             entries.append(None)
         elif i in step.variables:
-            specs, wrong = node_specs(candidate, step.variables[i], step.tp.get(i), where)
+            specs, wrong = node_specs(
+                candidate, step.variables[i], step.tp.get(i), where, step.stage.get(i)
+            )
             problems += wrong
             entries.append(StateSharding([(AtPath(p), s) for p, s in specs.items()]))
         else:
@@ -80,6 +82,35 @@ def state_bytes(step: Step, candidate: Candidate, specs: Sequence[Any]) -> int:
     return total
 
 
+NO_STAGES = (
+    "no Variable names a layer dimension to split over 'stage' (a pipeline runs a stack "
+    "of layers with nnx_sharding.pipeline; its Variables' metadata names the stacked "
+    "dimension, which the rules map to 'stage')"
+)
+
+
+def bubble_note(candidate: Candidate, knobs: Mapping[str, Any]) -> str | None:
+    """The pipeline's bubble under ``candidate``, as a plan's note (None without a
+    ``stage`` axis): the share of the step each stage idles, ``(stages - 1) /
+    (microbatches · repeats + stages - 1)``, read from the ``pipeline_microbatches``
+    and ``pipeline_repeats`` knobs (by default as many microbatches as stages, one
+    round). The step time priced is the compiled loop's, bubble included.
+
+    >>> bubble_note(Candidate('pp', {'stage': 4}), {'pipeline_microbatches': 8})
+    'pipeline bubble: 27% of the step (4 stages, 8 microbatches, 1 repeat; in the step time)'
+    """
+    stages = candidate.mesh_shape.get(STAGE, 1)
+    if stages <= 1:
+        return None
+    microbatches = knobs.get("pipeline_microbatches") or stages
+    repeats = knobs.get("pipeline_repeats") or 1
+    share = (stages - 1) / (microbatches * repeats + stages - 1)
+    return (
+        f"pipeline bubble: {share:.0%} of the step ({stages} stages, {microbatches} "
+        f"microbatches, {repeats} repeat{'s' * (repeats > 1)}; in the step time)"
+    )
+
+
 def listed(step: Step, candidate: Candidate, specs: Any = (), **fields: Any) -> Plan:
     """A `Plan` of ``candidate`` without the compiler's figures (``fields`` say why)."""
     n = math.prod(candidate.mesh_shape.values())
@@ -110,6 +141,8 @@ def precheck(step: Step, candidate: Candidate, prune: bool | str) -> Plan | None
     specs, problems = in_shardings(step, candidate)
     if step.tp_problem is not None and "model" in candidate.mesh_shape:
         return listed(step, candidate, specs, reason=step.tp_problem)
+    if STAGE in candidate.mesh_shape and not step.stage:
+        return listed(step, candidate, specs, reason=NO_STAGES)
     count, batch, size = step.knobs.get("microbatches"), step.batch, candidate.data_parallel
     if count and batch and not problems and (batch // count) % size:
         named = ",".join(
@@ -186,6 +219,8 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         flops, note = _per_iteration(text, flops)
         notes += [note] if note else []
     notes += check_memory(memory, flops)
+    bubble = bubble_note(candidate, step.knobs)
+    notes += [bubble] if bubble else []
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
         memory = dataclasses.replace(memory, arguments=state)
     instrs = list(instructions(text))

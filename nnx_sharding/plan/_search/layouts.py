@@ -11,14 +11,18 @@ A layout is a rule per Variable:
 - ``dp+tp``, ``fsdp+tp``: both, on a 2-D mesh; FSDP takes the largest free dimension.
 - ``dp+fsdp`` (hybrid-sharded data parallelism): FSDP inside each ``data`` group, the
   groups replicas of each other; ``dp+fsdp+tp`` adds tensor parallelism innermost.
+- ``pp`` and ``pp+...``: pipeline parallelism, the stacked layers' layer dimension over
+  ``stage`` (where the Variables' metadata names it, through the rules: the step runs
+  them with `nnx_sharding.pipeline`), the other layouts' rules inside each stage.
 
 Data arguments (arrays) have their leading dimension split over the data-parallel
 axes (``data``, ``fsdp``); with neither (``tp``) they are replicated.
 
-Mesh axes are in the order ``data``, ``fsdp``, ``model``: the devices are laid out
-node by node (`_hardware.devices.order_devices`), so the innermost axes sit inside a
-node (a GPU host, a TPU slice) and ``data`` spans the nodes, crossing the slower network
-once per step.
+Mesh axes are in the order ``data``, ``stage``, ``fsdp``, ``model``: the devices are
+laid out node by node (`_hardware.devices.order_devices`), so the innermost axes sit
+inside a node (a GPU host, a TPU slice) and ``data`` and ``stage`` span the nodes: the
+data-parallel reduction crosses the slower network once per step, the pipeline's
+activations once per microbatch and stage.
 """
 
 from __future__ import annotations
@@ -44,8 +48,15 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "fsdp+tp": ("fsdp", "model"),
     "dp+fsdp": ("data", "fsdp"),
     "dp+fsdp+tp": ("data", "fsdp", "model"),
+    "pp": ("stage",),
+    "pp+fsdp": ("stage", "fsdp"),
+    "pp+tp": ("stage", "model"),
+    "pp+fsdp+tp": ("stage", "fsdp", "model"),
+    "dp+pp+fsdp": ("data", "stage", "fsdp"),
 }
 """Each layout's mesh axes, in mesh order (``model`` innermost: inside a node)."""
+STAGE = "stage"
+"""The pipeline's mesh axis (`nnx_sharding.pipeline`'s default)."""
 LayoutSpec: TypeAlias = "str | tuple[str, Mapping[str, int]]"
 """A layout on every split (``'fsdp+tp'``) or one exact candidate
 (``('fsdp+tp', {'fsdp': 16, 'model': 4})``)."""
@@ -163,9 +174,10 @@ def _trim(spec: Sequence[Any]) -> P:
 def metadata_tp(
     variables: Sequence[tuple[Path, nnx.Variable]], rules: Rules | None, axis: str = "model"
 ) -> dict[Path, P] | None:
-    """Tensor-parallel specs from the Variables' sharding metadata (``out_sharding``),
-    logical names mapped by ``rules`` (names taken as mesh axes without rules); only
-    ``axis`` is kept. None when no Variable's metadata names ``axis``."""
+    """Specs over one mesh ``axis`` (tensor parallelism's ``model``, the pipeline's
+    ``stage``) from the Variables' sharding metadata (``out_sharding``), logical names
+    mapped by ``rules`` (names taken as mesh axes without rules); only ``axis`` is kept.
+    None when no Variable's metadata names ``axis``."""
     mapping = None if rules is None else dict(rules)
     out: dict[Path, P] = {}
     for path, var in variables:
@@ -207,9 +219,10 @@ def node_specs(
     variables: Sequence[tuple[Path, nnx.Variable]],
     tp: Mapping[Path, P] | None,
     where: str,
+    stage: Mapping[Path, P] | None = None,
 ) -> tuple[dict[Path, P], list[str]]:
     """Each Variable's PartitionSpec under ``candidate``, and the problems found
-    (a tensor-parallel split its dimension does not divide)."""
+    (a tensor-parallel or pipeline split its dimension does not divide)."""
     mesh = candidate.mesh_shape
     layout = candidate.layout
     specs: dict[Path, P] = {}
@@ -217,13 +230,16 @@ def node_specs(
     for path, var in variables:
         shape = _shape(var)
         spec: tuple = (None,) * len(shape)
-        if "model" in mesh and tp is not None and path in tp:
-            spec = tuple(tp[path]) + (None,) * (len(shape) - len(tp[path]))
-            for dim, entry in enumerate(spec):
-                if entry is not None and shape[dim] % mesh["model"]:
+        for axis, given in ((STAGE, stage), ("model", tp)):
+            if axis not in mesh or given is None or path not in given:
+                continue
+            entries = tuple(given[path]) + (None,) * (len(shape) - len(given[path]))
+            spec = tuple(a if b is None else b for a, b in zip(spec, entries, strict=True))
+            for dim, entry in enumerate(entries):
+                if entry is not None and shape[dim] % mesh[axis]:
                     problems.append(
                         f"{where}{_path(path)}: dimension {dim} ({shape[dim]}) is not "
-                        f"divisible by 'model' ({mesh['model']})"
+                        f"divisible by {axis!r} ({mesh[axis]})"
                     )
         if "fsdp" in mesh:
             spec = shard_largest(shape, spec, "fsdp", mesh["fsdp"])

@@ -22,7 +22,16 @@ from ..._units import format_bytes
 from .._cost.model import parse_bytes
 from .._hardware.accelerators import Accelerator
 from .._step import Step
-from .layouts import LAYOUTS, Candidate, LayoutSpec, Rules, candidates, metadata_tp, mirror
+from .layouts import (
+    LAYOUTS,
+    STAGE,
+    Candidate,
+    LayoutSpec,
+    Rules,
+    candidates,
+    metadata_tp,
+    mirror,
+)
 from .tensor_parallel import tensor_parallel_specs
 
 
@@ -120,6 +129,9 @@ def prepare(
         if key not in tp_cache or tp_cache[key][1] is not None:  # a failure: try this step
             tp_cache[key] = _tensor_parallel(fun, shapes, static, variables, rules)
         tp, tp_problem = tp_cache[key]
+    every = [pair for pairs in variables.values() for pair in pairs]
+    stacked = metadata_tp(every, rules, STAGE)
+    stage = {} if stacked is None else {i: mirror(stacked, p) for i, p in variables.items()}
     return Step(
         fun=fun,
         args=shapes,
@@ -137,6 +149,7 @@ def prepare(
         rules=rules,
         num_slices=target.num_slices,
         tp_problem=tp_problem,
+        stage=stage,
     )
 
 

@@ -24,7 +24,7 @@ from .._step import Step
 from .compile import compile_candidate, in_shardings, listed, precheck, state_bytes
 from .drive import drive
 from .knobs import Reads, check_microbatches, extensions, label, points, rank
-from .layouts import Candidate, LayoutSpec, Rules, candidates
+from .layouts import STAGE, Candidate, LayoutSpec, Rules, candidates
 from .prepare import Target, check_layouts, has_optimizer_state, prepare, resolve_target
 from .pruning import Schedule
 
@@ -139,32 +139,65 @@ def explore(
         raise ValueError(_errors.search_unread_knobs(unread, sorted(reads)))
     if given is None and not has_optimizer_state(steps[0]):  # zero1 would be dp
         chosen = [c for c in chosen if c.layout != "zero1"]
+    if given is None and not steps[0].stage:  # no stacked layers: no pipeline
+        chosen = [c for c in chosen if STAGE not in c.mesh_shape]
     units = [(c, p) for c in range(len(chosen)) for p in range(len(steps))]
     early = {}
     for i, (c, p) in enumerate(units):
         found = precheck(steps[p], chosen[c], prune)
         if found is not None:
             early[i] = found
+    same = same_programs(units, chosen, knob_points)
     ranks = [rank(knob_points[p]) for _, p in units]
     schedule = Schedule(
         [((c, ranks[i].group), ranks[i]) for i, (c, _) in enumerate(units)],
         target.limit,
         prune=prune,
-        excluded=early,
+        excluded=set(early) | set(same),
     )
     compiled = drive(schedule, [(steps[p], chosen[c]) for c, p in units], progress)
-    plans = []
+    plans: list[Plan] = []
     for i, (c, p) in enumerate(units):
         if i in early:
             plans.append(early[i])
         elif i in compiled:
             plans.append(compiled[i])
-        else:
+        elif i not in same:
             plans.append(_pruned(schedule, i, steps[p], chosen[c], compiled))
+    for i in sorted(same):  # after the units whose programs they share
+        c, p = units[i]
+        shared = plans[same[i] - sum(1 for j in same if j < same[i])]
+        plans.append(dataclasses.replace(shared, knobs=dict(steps[p].knobs), source=steps[p]))
     advice: list[Plan] = []
     if prune and not any(p.fits for p in plans) and reads & {"remat", "microbatches"}:
         advice = advise(build, plans, target, rules, tp_cache, reads)
     return Plans(plans, steps[0], target.title, advice=advice, space=space, planner=plan)
+
+
+PIPELINE_KNOBS = ("pipeline_microbatches", "pipeline_repeats")
+"""Knobs of the pipeline (`nnx_sharding.pipeline`): they change nothing without a
+``stage`` axis."""
+
+
+def same_programs(
+    units: Sequence[tuple[int, int]],
+    chosen: Sequence[Candidate],
+    knob_points: Sequence[Mapping[str, Any]],
+) -> dict[int, int]:
+    """Units whose program is another's: a candidate without a ``stage`` axis at knob
+    points that differ only in `PIPELINE_KNOBS`; each -> the first unit of its kind."""
+    first: dict[Any, int] = {}
+    same: dict[int, int] = {}
+    for i, (c, p) in enumerate(units):
+        if STAGE in chosen[c].mesh_shape:
+            continue
+        rest = sorted((k, repr(v)) for k, v in knob_points[p].items() if k not in PIPELINE_KNOBS)
+        key = (c, tuple(rest))
+        if key in first:
+            same[i] = first[key]
+        else:
+            first[key] = i
+    return same
 
 
 def make_step(

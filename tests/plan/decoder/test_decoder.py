@@ -201,7 +201,7 @@ def test_grouped_query_attention_projects_to_the_kv_heads():
     model = abstract(c)
     assert model.layers.wq.shape == (2, 4096, 32, 128)
     assert model.layers.wk.shape == model.layers.wv.shape == (2, 4096, 8, 128)
-    assert model.layers.wk.get_metadata()["out_sharding"] == (None, "embed", "kv_heads", None)
+    assert model.layers.wk.get_metadata()["out_sharding"] == ("layers", "embed", "kv_heads", None)
     # without grouping, keys and values have the query heads' logical name
     assert abstract(DECODER_CONFIGS["tiny"]).layers[0].wk.get_metadata()["out_sharding"] == (
         "embed", "heads", None,
