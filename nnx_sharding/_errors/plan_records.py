@@ -23,7 +23,9 @@ __all__ = [
 def plan_mesh_too_few_devices(label: str, n: int, have: int, given: bool = False) -> str:
     """``given``: the devices were given to `Plan.mesh` (else: those jax has)."""
     if given:
-        problem = f"the plan {label} needs {n} devices; {have} were given"
+        problem = (
+            f"the plan {label} needs {n} devices; {have} {'was' if have == 1 else 'were'} given"
+        )
         fixes = [
             f"give it {n}, e.g. `plan.mesh(jax.devices()[:{n}])`;",
             f"or leave devices out: the first {n} that jax has.",
