@@ -108,28 +108,25 @@ def plan_nothing_fits(
     needs: str,
     miss: str,
     miss_bytes: int,
-    fitting: tuple[str, str, str] | None = None,
-    lightest: tuple[str, str] | None = None,
+    beyond: tuple[str, str, str | None] | None = None,
 ) -> str:
-    """``fitting``: compiled beyond the space searched, a plan that fits (label, peak,
-    knob values); else ``lightest``, the lightest compiled there (label, peak)."""
+    """``beyond``: compiled beyond the space searched, the first plan that fits (label,
+    peak, the knob values to search), else the lightest (label, peak, None)."""
     problem = (
         f"no layout fits in {limit} per device; the closest is {closest}, which needs "
         f"{needs} per device: {miss} ({miss_bytes:,} bytes) too many"
     )
-    if lightest is not None:
+    found = []
+    if beyond is not None and beyond[2] is None:
         problem += (
-            f"; compiled beyond the space searched, the lightest, {lightest[0]}, still "
-            f"needs {lightest[1]}"
+            f"; compiled beyond the space searched, the lightest, {beyond[0]}, still "
+            f"needs {beyond[1]}"
         )
-    found = (
-        [
-            f"search {fitting[2]}: compiled beyond the space searched, {fitting[0]} fits, "
-            f"needing {fitting[1]} per device;"
+    elif beyond is not None:
+        found = [
+            f"search {beyond[2]}: compiled beyond the space searched, {beyond[0]} fits, "
+            f"needing {beyond[1]} per device;"
         ]
-        if fitting is not None
-        else []
-    )
     return format_message(
         "Plans.best",
         "memory_limit",

@@ -4,7 +4,7 @@ arguments, layouts and candidates given exactly, knobs and builders."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from .layout import choice_message, fixes_of, format_message, microbatches_message, quoted
 
@@ -59,7 +59,7 @@ def plan_bad_layout_spec(spec: object, layouts: Sequence[str]) -> str:
     )
 
 
-def plan_unknown_layouts(unknown: Sequence[str], layouts: Sequence[str]) -> str:
+def plan_unknown_layouts(unknown: Sequence[str], layouts: Iterable[str]) -> str:
     """Names in layouts (or a candidate's name) that `LAYOUTS` does not have."""
     return format_message(
         "plan",

@@ -124,23 +124,24 @@ class Plans(Sequence[Plan]):
                 format_bytes(peak),
                 format_bytes(miss),
                 miss,
-                **self._advice(),
+                self._advice(),
             )
         )
 
-    def _advice(self) -> dict[str, tuple[str, ...]]:
+    def _advice(self) -> tuple[str, str, str | None] | None:
         """What `advice` shows, as `plan_nothing_fits` takes it: the first plan that fits
-        (``fitting``), else the lightest (``lightest``); empty without any."""
+        (label, peak, the knob values to search), else the lightest (label, peak, None);
+        None without any."""
         fitting = [(p.memory.peak, p) for p in self.advice if p.fits and p.memory is not None]
         if fitting:
             peak, p = fitting[0]
             knobs = ", ".join(f"{k}={v!r}" for k, v in p.knobs.items())
-            return {"fitting": (p.label, format_bytes(peak), knobs)}
+            return p.label, format_bytes(peak), knobs
         built = [(p.memory.peak, p) for p in self.advice if p.memory is not None]
         if built:
             peak, p = min(built, key=lambda b: b[0])
-            return {"lightest": (p.label, format_bytes(peak))}
-        return {}
+            return p.label, format_bytes(peak), None
+        return None
 
     def table(self, pruned: bool = True) -> Table:
         """The ranked plans as a rich table; with ``pruned=False``, the plans `search`
