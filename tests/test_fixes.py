@@ -10,16 +10,20 @@ the fix applied, which must run; `check` then asserts what the fix was for. A ca
 starts.
 
 `test_every_message_is_classified` keeps the table complete: each message builder of
-the transforms and tools (checkpoint messages are tested with checkpoints) is either
-in the table or listed in `PROSE` (fixes without code, or code that only names an
-option).
+every module of ``nnx_sharding._errors`` (the transforms', the tools', the
+checkpoints', the planner's) is either in the table or listed in `PROSE` (fixes
+without code, or code that only names an option). ``_errors.layout`` is left out: it
+holds the layout and the pieces the builders share, which no call site raises itself
+(`test_no_call_site_raises_a_layout_piece`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -29,7 +33,8 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from nnx_sharding._errors import objects, partial, prefixes, tools, transforms
+import nnx_sharding._errors
+from nnx_sharding._errors import layout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,6 +73,31 @@ with nnx.use_eager_sharding(False):
     annotated = nnx.Linear(
         16, 64, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=nnx.Rngs(0)
     )
+"""
+
+# The planner's cases: a step planned for 2 of the CPU devices, and a builder of a
+# training step with the knobs remat and microbatches (`nnx_sharding.plan.search`).
+PLANNER = """
+from nnx_sharding.plan import Built, accumulate_gradients, remat_policy
+
+
+def forward(m, x):
+    return m(x)
+
+
+def loss(m, x):
+    return jnp.mean(m(x) ** 2)
+
+
+def build(knobs):
+    remat = knobs.get("remat", "none")
+    microbatches = knobs.get("microbatches", 1)
+    f = loss if remat == "none" else nnx.remat(loss, policy=remat_policy(remat))
+
+    def step(m, x):
+        return accumulate_gradients(f, m, x, microbatches)[0]
+
+    return Built(step, (model, x))
 """
 
 FRESH_PRELUDE = """\
@@ -917,6 +947,330 @@ CASES = [
         snippets=(1,),
         check="close(y, 3 * expected)",
     ),
+    # --- the simple path (graph=False) -------------------------------------------------------
+    Case(
+        "bound_method_simple",
+        2,
+        "",
+        "nnx_sharding.jit(model.__call__, graph=False)",
+        "y = nnx_sharding.jit(nnx.Linear.__call__, graph=False)(model, x)",
+        ValueError,
+        names=(
+            ("MyClass.method", "nnx.Linear.__call__"),
+            ("...", "graph=False"),
+            ("instance, ...", "model, x"),
+        ),
+        check="close(y, expected)",
+    ),
+    Case(
+        "duplicate_variable",
+        2,
+        "both = nnx_sharding.jit(lambda a, b: a(x) + b(x), graph=False)",
+        "both(model, model)",
+        "y = both(model, nnx.clone(model))",
+        ValueError,
+        names=(("...", "model"),),
+        check="close(y, 2 * expected)",
+    ),
+    Case(
+        "captured_variable_returned",
+        2,
+        "v = nnx.Param(jnp.ones(3))",
+        "nnx_sharding.jit(lambda s: v, graph=False)(2.0)",
+        "y = nnx_sharding.jit(lambda s: v[...] * s, graph=False)(2.0)",
+        ValueError,
+        check="close(y, 2.0 * jnp.ones(3))",
+    ),
+    # --- checkpoints (tested with checkpoints in tests/checkpoint; the cheap fixes here) -----
+    Case(
+        "empty_checkpoint_path",
+        1,
+        "from nnx_sharding import checkpoint",
+        "checkpoint.save('', model)",
+        "checkpoint.save('checkpoints/run1', model)",
+        ValueError,
+        check="restored = checkpoint.restore('checkpoints/run1', nnx.clone(model))\n"
+        "close(restored(x), expected)",
+    ),
+    Case(
+        "manager_on_checkpoint",
+        1,
+        "from nnx_sharding import checkpoint\ncheckpoint.save('saved', model)",
+        "checkpoint.Manager('saved')",
+        "restored = checkpoint.restore('saved', nnx.clone(model))",
+        ValueError,
+        names=(("directory", "'saved'"), ("target", "nnx.clone(model)")),
+        check="close(restored(x), expected)",
+    ),
+    Case(
+        "foreign_checkpoint",
+        1,
+        "from nnx_sharding import checkpoint\n"
+        "manager = checkpoint.Manager('run')\nmanager.save(1, model)\nmanager.close()",
+        "checkpoint.restore('run', nnx.clone(model))",
+        "restored = checkpoint.Manager('run').restore(nnx.clone(model))",
+        ValueError,
+        names=(("directory", "'run'"), ("target", "nnx.clone(model)")),
+        snippets=(0,),
+        check="close(restored(x), expected)",
+    ),
+    # --- the planner: accelerators, devices -------------------------------------------------
+    Case(
+        "accelerator_bad_kind",
+        1,
+        "import dataclasses",
+        "dataclasses.replace(nnx_sharding.plan.PRESETS['h100'], name='mine', kind='GPU')",
+        "mine = dataclasses.replace(nnx_sharding.plan.PRESETS['h100'], name='mine', kind='gpu')",
+        ValueError,
+        check="assert mine.kind == 'gpu'",
+    ),
+    Case(
+        "accelerator_no_flops",
+        1,
+        "import dataclasses",
+        "dataclasses.replace(nnx_sharding.plan.PRESETS['h100'], name='mine', flops={})",
+        "mine = dataclasses.replace(\n"
+        "    nnx_sharding.plan.PRESETS['h100'], name='mine', flops={'bfloat16': 989e12}\n)",
+        ValueError,
+        check="assert mine.peak_flops('bfloat16') == 989e12",
+    ),
+    Case(
+        "accelerator_bad_figures",
+        2,
+        "import dataclasses",
+        "dataclasses.replace(nnx_sharding.plan.PRESETS['h100'], name='mine', hbm_bytes=0)",
+        "mine = dataclasses.replace(nnx_sharding.plan.PRESETS['h100'], name='mine', "
+        "hbm_bytes=40 * 10**9)",
+        ValueError,
+        names=(("hbm_bytes=...", "hbm_bytes=40 * 10**9"),),
+        check="assert mine.hbm_bytes == 40 * 10**9",
+    ),
+    Case(
+        "accelerator_read_only_flops",
+        1,
+        "import dataclasses",
+        "nnx_sharding.plan.PRESETS['h100'].flops['bfloat16'] = 1e15",
+        "mine = dataclasses.replace(nnx_sharding.plan.PRESETS['h100'], flops={'bfloat16': 1e15})",
+        TypeError,
+        names=(
+            ("accelerator", "nnx_sharding.plan.PRESETS['h100']"),
+            ("{...}", "{'bfloat16': 1e15}"),
+        ),
+        check="assert mine.peak_flops('bfloat16') == 1e15\n"
+        "assert nnx_sharding.plan.PRESETS['h100'].peak_flops('bfloat16') != 1e15",
+    ),
+    Case(
+        "plan_unknown_accelerator",
+        2,
+        PLANNER + "import dataclasses",
+        "nnx_sharding.plan(forward, model, x, devices=2, accelerator='mi300', layouts=['dp'])",
+        "mine = dataclasses.replace(nnx_sharding.plan.PRESETS['h100'], name='mine', "
+        "hbm_bytes=192 * 2**30)\n"
+        "plans = nnx_sharding.plan(forward, model, x, devices=2, accelerator=mine, layouts=['dp'])",
+        ValueError,
+        names=(("hbm_bytes=...", "hbm_bytes=192 * 2**30"),),
+        check="assert plans.best.accelerator == 'mine'",
+    ),
+    Case(
+        "plan_bad_accelerator_type",
+        1,
+        PLANNER,
+        "nnx_sharding.plan(forward, model, x, devices=2, accelerator=None, layouts=['dp'])",
+        "plans = nnx_sharding.plan(\n"
+        "    forward, model, x, devices=2, accelerator='h100', layouts=['dp']\n)",
+        TypeError,
+        check="assert plans.best.accelerator == 'h100'",
+    ),
+    Case(
+        "plan_too_few_cpu_devices",
+        1,
+        "",
+        "model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))\n"
+        "nnx_sharding.plan(lambda m, x: m(x), model, jnp.ones((8, 16)), devices=2)",
+        "import jax\n\njax.config.update('jax_num_cpu_devices', 2)\n"
+        "model = nnx.Linear(16, 64, rngs=nnx.Rngs(0))\n"
+        "plans = nnx_sharding.plan(lambda m, x: m(x), model, jnp.ones((8, 16)), devices=2)",
+        ValueError,
+        fresh=True,
+        snippets=(1,),
+        check="assert plans.best.devices == 2",
+    ),
+    # --- the planner: its cost model ----------------------------------------------------------
+    Case(
+        "plan_bad_memory_limit",
+        1,
+        PLANNER,
+        "nnx_sharding.plan(forward, model, x, devices=2, memory_limit='80 parsecs')",
+        "plans = nnx_sharding.plan(forward, model, x, devices=2, memory_limit='80GiB')",
+        ValueError,
+        check="assert plans.limit == 80 * 2**30 and plans.best.fits",
+    ),
+    Case(
+        "plan_nothing_measured",
+        1,
+        PLANNER + "plans = nnx_sharding.plan(forward, model, x, devices=2, layouts=['dp'])",
+        "plans.calibrate()",
+        "plans.measure()\nfitted = plans.calibrate()",
+        ValueError,
+        check="assert plans.best.measured > 0 and fitted.matmul_efficiency > 0",
+    ),
+    # --- the planner: layouts, knobs, builders ------------------------------------------------
+    Case(
+        "plan_bad_layout_spec",
+        1,
+        PLANNER,
+        "nnx_sharding.plan(forward, model, x, devices=2, layouts=[('fsdp', 2)])",
+        "plans = nnx_sharding.plan(forward, model, x, devices=2, layouts=['fsdp'])",
+        ValueError,
+        check="assert [p.layout for p in plans] == ['fsdp']",
+    ),
+    Case(
+        "plan_unknown_layouts",
+        1,
+        PLANNER,
+        "nnx_sharding.plan(forward, model, x, devices=2, layouts=['ddp'])",
+        "plans = nnx_sharding.plan(forward, model, x, devices=2, layouts=['dp', 'fsdp'])",
+        ValueError,
+        check="assert sorted(p.layout for p in plans) == ['dp', 'fsdp']",
+    ),
+    Case(
+        "plan_bad_candidate",
+        1,
+        PLANNER,
+        "nnx_sharding.plan(forward, model, x, devices=2, layouts=[('dp', {'data': 4})])",
+        "plans = nnx_sharding.plan(forward, model, x, devices=2, layouts=[('dp', {'data': 2})])",
+        ValueError,
+        check="assert plans.best.mesh_shape == {'data': 2}",
+    ),
+    Case(
+        "search_bad_space",
+        1,
+        PLANNER,
+        "nnx_sharding.plan.search(build, ['remat', 'microbatches'], devices=2, layouts=['dp'])",
+        "plans = nnx_sharding.plan.search(\n"
+        "    build,\n"
+        "    space={'remat': ['none', 'full'], 'microbatches': [1, 2]},\n"
+        "    devices=2,\n"
+        "    layouts=['dp'],\n"
+        ")",
+        ValueError,
+        check="assert len(plans) == 4",
+    ),
+    Case(
+        "search_bad_knob_values",
+        1,
+        PLANNER,
+        "nnx_sharding.plan.search(build, {'remat': 'full'}, devices=2, layouts=['dp'])",
+        "plans = nnx_sharding.plan.search(build, space={'remat': ['full']}, devices=2, "
+        "layouts=['dp'])",
+        ValueError,
+        check="assert plans.best.knobs == {'remat': 'full'}",
+    ),
+    Case(
+        "search_bad_microbatches",
+        1,
+        PLANNER,
+        "nnx_sharding.plan.search(build, {'microbatches': [3]}, devices=2, layouts=['dp'])",
+        "plans = nnx_sharding.plan.search(\n"
+        "    build, space={'microbatches': [2]}, devices=2, layouts=['dp']\n)",
+        ValueError,
+        check="assert plans.best.knobs == {'microbatches': 2}",
+    ),
+    Case(
+        "search_bad_knob_value",
+        1,
+        PLANNER + "build.choices = {'remat': ['none', 'full']}",
+        "nnx_sharding.plan.search(build, {'remat': ['dots']}, devices=2, layouts=['dp'])",
+        "plans = nnx_sharding.plan.search(\n"
+        "    build, space={'remat': ['none', 'full']}, devices=2, layouts=['dp']\n)",
+        ValueError,
+        check="assert sorted(p.knobs['remat'] for p in plans) == ['full', 'none']",
+    ),
+    Case(
+        "search_bad_built",
+        1,
+        PLANNER,
+        "nnx_sharding.plan.search(lambda knobs: loss, devices=2, layouts=['dp'])",
+        "def build(knobs):\n"
+        "    return nnx_sharding.plan.Built(loss, (model, x))\n"
+        "plans = nnx_sharding.plan.search(build, devices=2, layouts=['dp'])",
+        TypeError,
+        names=(("step", "loss"),),
+        check="assert plans.best.compiled",
+    ),
+    Case(
+        "search_unread_knobs",
+        1,
+        PLANNER,
+        "nnx_sharding.plan.search(build, {'dtype': ['bfloat16']}, devices=2, layouts=['dp'])",
+        "default = 'float32'\n"
+        "def build_typed(knobs):\n"
+        "    dtype = knobs.get('dtype', default)\n"
+        "    return nnx_sharding.plan.Built(loss, (model, x.astype(dtype)))\n"
+        "plans = nnx_sharding.plan.search(\n"
+        "    build_typed, {'dtype': ['bfloat16']}, devices=2, layouts=['dp']\n)",
+        ValueError,
+        check="assert plans.best.knobs == {'dtype': 'bfloat16'}",
+    ),
+    # --- the planner: Plan, Plans -------------------------------------------------------------
+    Case(
+        "plan_mesh_too_few_devices",
+        1,
+        PLANNER + "plans = nnx_sharding.plan(forward, model, x, devices=2, layouts=['dp'])",
+        "plans.best.mesh(jax.devices()[:1])",
+        "mesh = plans.best.mesh(jax.devices()[:2])",
+        ValueError,
+        names=(("plan.mesh", "plans.best.mesh"),),
+        check="assert mesh.devices.size == 2",
+    ),
+    Case(
+        "plan_no_tokens",
+        1,
+        PLANNER + "plans = nnx_sharding.plan(forward, model, x, devices=2, layouts=['dp'])",
+        "plans.devices_for(1e9, 1.0, max_devices=8)",
+        "sizing = plans.devices_for(1e9, 1.0, tokens_per_step=8, max_devices=8)",
+        ValueError,
+        names=(("tokens, days", "1e9, 1.0"), ("...", "8, max_devices=8")),
+        check="assert sizing.devices in (2, 4, 8)",
+    ),
+    # --- the planner: the decoder -------------------------------------------------------------
+    Case(
+        "decoder_bad_choice",
+        1,
+        "import dataclasses",
+        "dataclasses.replace(nnx_sharding.plan.DECODER_CONFIGS['tiny'], remat='dot')",
+        "config = dataclasses.replace(nnx_sharding.plan.DECODER_CONFIGS['tiny'], remat='dots')",
+        ValueError,
+        check="built = nnx_sharding.plan.decoder_builder(config)({})\n"
+        "assert built.args[2].shape == (8, 65)",
+    ),
+    Case(
+        "decoder_bad_kv_heads",
+        1,
+        "import dataclasses",
+        "dataclasses.replace(nnx_sharding.plan.DECODER_CONFIGS['tiny'], kv_heads=3)",
+        "config = dataclasses.replace(nnx_sharding.plan.DECODER_CONFIGS['tiny'], kv_heads=2)",
+        ValueError,
+        check="assert config.kv == 2",
+    ),
+    Case(
+        "decoder_unknown_knobs",
+        1,
+        "build = nnx_sharding.plan.decoder_builder(nnx_sharding.plan.DECODER_CONFIGS['tiny'])",
+        "build({'remat': 'dots', 'pipeline': 2})",
+        "built = build({'remat': 'none', 'microbatches': 1})",
+        ValueError,
+        check="assert built.args[2].shape == (8, 65)",
+    ),
+    Case(
+        "microbatches_indivisible",
+        1,
+        "def loss(m, x):\n    return jnp.mean(m(x) ** 2)\n",
+        "nnx_sharding.plan.accumulate_gradients(loss, model, x, 3)",
+        "value, grads = nnx_sharding.plan.accumulate_gradients(loss, model, x, microbatches=2)",
+        ValueError,
+        check="close(value, jnp.mean(expected**2))",
+    ),
 ]
 
 # Message builders whose fixes have no code to run (or only name an option or a value
@@ -937,6 +1291,53 @@ PROSE = {
     "export_bad_key",
     "export_bad_arguments",
     "partial_aliases",  # pass graph=True, or nnx.clone the shared part
+    # the simple path: tested against flax in tests/parity/; their fixes switch modes
+    # (graph=True, graph_updates=True) or remake an nnx.prefix
+    "state_sharding_simple",
+    "variable_in_prefix",
+    "node_in_prefix_graph",
+    "graph_prefix_in_tree_mode",
+    "node_prefix_mismatch",
+    "aliased_prefixes_simple",
+    # checkpoints: tested with checkpoints (tests/checkpoint/); their fixes name an option
+    # (force=True, allow_type_change=True, filter=...), a command or a step to take
+    "not_savable",
+    "checkpoint_exists",
+    "overwrite_foreign",
+    "checkpoint_not_found",
+    "incomplete_checkpoint",
+    "no_steps",
+    "unknown_step",
+    "bad_step",
+    "bad_restore_filter",
+    "checkpoint_mismatch",
+    "abstract_not_restored",
+    "unplaceable",
+    "no_mesh_for_restore",
+    "mixed_target",
+    "selects_nothing",
+    "manager_not_a_directory",
+    "manager_foreign",
+    "write_failed",
+    "variable_types_differ",
+    "damaged_checkpoint",
+    # the planner: a TPU or a compiler to install, an option's value, or prose
+    "plan_bad_topology",  # a TPU topology: needs the TPU compiler
+    "plan_no_tpu_compiler",  # installs libtpu
+    "plan_bad_tpu_topology",
+    "plan_bad_devices",  # devices=8, num_slices=1
+    "compiler_no_libtpu",  # pip install 'jax[tpu]'
+    "plan_bad_device_count",  # devices=8
+    "search_builder_failed",  # the builder's own fixes, or prose
+    "search_bad_prune",  # prune=True
+    "plan_jit_no_step",  # a Plan made by hand
+    "plan_nothing_fits",  # more devices, more memory (devices=..., memory_limit)
+    "plan_nothing_fits_state",
+    "plan_no_candidate_built",
+    "plan_needs_matplotlib",  # pip install
+    "plan_target_unreachable",  # more days, max_devices=...
+    "plan_cannot_replan",
+    "decoder_bad_size",  # layers=2
     # parts of other messages
     "bad_state_sharding_spec",
     "prefix_mismatch",
@@ -949,6 +1350,15 @@ PROSE = {
     "name_spec_paths",
     "name_leaves",
     "export_wrong_kind",
+    "mismatch_detail",
+    "not_a_node_problem",
+    "bare_variable_problem",
+    "no_variables_problem",
+    "array_outside_variable_problem",
+    "value_problem",
+    "describe_variable",
+    "type_detail",
+    "node_prefix_difference",
 }
 
 SNIPPET = re.compile(r"`([^`]+)`")
@@ -1034,11 +1444,30 @@ def _builders(module: object) -> set[str]:
     }
 
 
+MODULES = [
+    importlib.import_module(f"nnx_sharding._errors.{found.name}")
+    for found in pkgutil.iter_modules(nnx_sharding._errors.__path__)
+    if found.name != "layout"
+]
+"""Every module of message builders (`layout` holds what they are made of)."""
+
+
 def test_every_message_is_classified() -> None:
     """A new message builder must get a case (its fixes have code) or join PROSE."""
-    modules = (objects, partial, prefixes, tools, transforms)
-    builders = set().union(*map(_builders, modules))
+    assert len(MODULES) >= 12, [m.__name__ for m in MODULES]
+    builders = set().union(*map(_builders, MODULES))
     tested = {case.builder for case in CASES}
     assert builders - tested - PROSE == set()
     assert tested & PROSE == set()
     assert (tested | PROSE) - builders == set()
+
+
+def test_no_call_site_raises_a_layout_piece() -> None:
+    """`layout`'s functions build parts of the builders' messages: the package raises
+    the builders, never those pieces, so that leaving `layout` out classifies all."""
+    pieces = _builders(layout)
+    used = set()
+    for path in (ROOT / "nnx_sharding").rglob("*.py"):
+        if path.parent.name != "_errors":
+            used |= set(re.findall(r"_errors\.(\w+)", path.read_text()))
+    assert used & pieces == set()

@@ -317,7 +317,7 @@ def _run(
         best = plans.best
         console.print(f"best: {best!r}")
     except ValueError as e:
-        console.print(str(e))
+        console.print(str(e), markup=False)
     if args.plot:
         plans.plot(args.plot)
         console.print(f"plot saved to {args.plot}")

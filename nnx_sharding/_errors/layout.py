@@ -6,7 +6,9 @@ fixes, problems (each module imports them from here).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+import re
+from collections.abc import Callable, Sequence
 
 DYNAMIC_FIX = "pass it as a dynamic argument (drop it from static_argnums/static_argnames);"
 """The first fix for a static argument that cannot be one."""
@@ -79,6 +81,60 @@ def bound_method_message(
         fixes,
         flax=f"nnx.{transform} does not support bound methods",
     )
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, smallest first: ``divisors(8) == [1, 2, 4, 8]``."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatches_message(
+    transform: str,
+    argument: str,
+    value: object,
+    batch: int | None,
+    example: Callable[[int], str],
+) -> str:
+    """``microbatches=value`` that does not divide ``batch`` (None: that is not a positive
+    integer); the fix is ``example(k)``, the code that gives ``k`` microbatches."""
+    shown = repr(value) if argument == "microbatches" else f"microbatches={value!r}"
+    if batch is None:
+        problem, ok = f"{shown} is not a positive integer", [1]
+    else:
+        ok = divisors(batch)
+        problem = f"{shown} does not divide the batch of {batch} (its divisors: {listing(ok, 12)})"
+    smaller = [d for d in ok if isinstance(value, int) and d <= value] or [1]
+    return format_message(
+        transform,
+        argument,
+        [problem],
+        "Rule: the batch (the leading dimension of the step's data arguments) is split into "
+        "microbatches of equal size: their number is a positive integer that divides it.",
+        [f"choose one, e.g. `{example(smaller[-1])}`."]
+        if batch is None
+        else [f"choose one, e.g. `{example(smaller[-1])}`;", "or make the batch a multiple of it."],
+    )
+
+
+def choice_message(
+    transform: str, argument: str, value: object, choices: Sequence[object], rule: str
+) -> str:
+    """``value`` is not one of ``choices``; the fix names the one spelled most alike."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    example = next((c for c in choices if close and str(c) == close[0]), choices[0])
+    return format_message(
+        transform,
+        argument,
+        [f"{value!r} is not one of {quoted(choices)}"],
+        rule,
+        [f"name one of them, e.g. `{argument}={example!r}`."],
+    )
+
+
+def fixes_of(message: str) -> list[str]:
+    """The numbered fixes of a message `format_message` laid out ([] for another)."""
+    _, found, fixes = message.partition("\nFixes:\n")
+    return [re.sub(r"^ +\d+\. ", "", line) for line in fixes.splitlines()] if found else []
 
 
 def format_message(

@@ -1,8 +1,18 @@
-"""Messages about the planner's decoder: its config, remat policies, knobs, microbatches."""
+"""Messages of the planner's decoder (``plan/_decoder/``): its config, remat policies,
+attention kernels, knobs and microbatches."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from .layout import (
+    choice_message,
+    divisors,
+    format_message,
+    listing,
+    microbatches_message,
+    quoted,
+)
 
 __all__ = [
     "decoder_bad_choice",
@@ -13,34 +23,77 @@ __all__ = [
 ]
 
 
-def _listed(choices: Sequence[object]) -> str:
-    return ", ".join(repr(c) for c in choices)
+_CHOSEN = {
+    "remat": "the block's rematerialization policy, a name in REMAT_POLICIES",
+    "name": "a rematerialization policy, a name in REMAT_POLICIES",
+    "attention": "the attention kernel ('auto': the target's own)",
+    "implementation": "the attention kernel ('auto': the target's own)",
+    "activation": "the MLP's activation",
+    "param_dtype": "the parameters' dtype",
+    "compute_dtype": "the dtype of the matmuls and the activations",
+}
+"""What each field `decoder_bad_choice` is about chooses."""
 
 
 def decoder_bad_choice(where: str, field: str, value: object, choices: Sequence[object]) -> str:
-    return f"{where}: {field}={value!r} is not one of {_listed(choices)}."
+    """``where``: the function or class given ``field=value``."""
+    rule = f"Rule: {field} is {_CHOSEN.get(field, 'one of the choices')}."
+    return choice_message(where, field, value, choices, rule)
 
 
 def decoder_bad_size(field: str, value: object) -> str:
-    return f"DecoderConfig: {field}={value!r}; expected a positive integer."
-
-
-def decoder_bad_kv_heads(kv_heads: int, heads: int) -> str:
-    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-    return (
-        f"DecoderConfig: kv_heads={kv_heads} does not divide heads={heads}; "
-        f"choose one of {', '.join(map(str, divisors))}."
+    """A size of `DecoderConfig` (``field``) that is not a positive int."""
+    return format_message(
+        "DecoderConfig",
+        field,
+        [f"{value!r} is not a positive integer"],
+        "Rule: the decoder's sizes (vocab, d_model, heads, head_dim, mlp, layers, batch, "
+        "seq_len, and kv_heads when given) are positive integers.",
+        [f"give {field} as a count, e.g. `{field}=2`."],
     )
 
 
-def decoder_unknown_knobs(unknown: Sequence[str], accepted: Sequence[str]) -> str:
-    return f"decoder_builder: unknown knobs {_listed(unknown)}; the knobs are {_listed(accepted)}."
+def decoder_bad_kv_heads(kv_heads: int, heads: int) -> str:
+    """``kv_heads`` that does not divide ``heads``: the query heads would not split into
+    equal groups."""
+    fitting = divisors(heads)
+    smaller = [d for d in fitting if d <= kv_heads]
+    return format_message(
+        "DecoderConfig",
+        "kv_heads",
+        [f"{kv_heads} does not divide heads={heads}"],
+        "Rule: each key/value head serves an equal group of query heads (grouped-query "
+        f"attention): kv_heads divides heads, here one of {listing(fitting, 12)}.",
+        [
+            f"choose one, e.g. `kv_heads={smaller[-1]}`;",
+            "or leave kv_heads out (None): a key/value head for each query head.",
+        ],
+    )
+
+
+def decoder_unknown_knobs(unknown: Sequence[str], knobs: Mapping[str, object]) -> str:
+    """``knobs``: those the decoder's builder reads, with their defaults."""
+    return format_message(
+        "decoder_builder",
+        "knobs",
+        [f"unknown knobs {quoted(unknown)}"],
+        f"Rule: the decoder's step reads the knobs {quoted(list(knobs))} (remat: a name in "
+        "REMAT_POLICIES; microbatches: the gradient accumulation steps), nothing else.",
+        [
+            f"give only those, e.g. `{dict(knobs)!r}` (their defaults);",
+            "or plan a builder of your own, which reads the knobs it takes (see "
+            "nnx_sharding.plan.Built).",
+        ],
+    )
 
 
 def microbatches_indivisible(where: str, microbatches: object, batch: int) -> str:
-    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-    shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-    return (
-        f"{where}: microbatches={microbatches!r} does not divide the batch of {batch}; "
-        f"choose one of {shown}."
+    """``where``: `accumulate_gradients`, given ``microbatches``, or the decoder's builder,
+    given it as a knob."""
+    if where == "decoder_builder":
+        return microbatches_message(
+            where, "knobs", microbatches, batch, lambda k: f"{{'microbatches': {k}}}"
+        )
+    return microbatches_message(
+        where, "microbatches", microbatches, batch, lambda k: f"microbatches={k}"
     )

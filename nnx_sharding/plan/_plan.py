@@ -132,7 +132,11 @@ class Plan:
         """
         pool = jax.devices() if devices is None else list(devices)
         if len(pool) < self.devices:
-            raise ValueError(_errors.plan_mesh_too_few_devices(self.label, self.devices, len(pool)))
+            raise ValueError(
+                _errors.plan_mesh_too_few_devices(
+                    self.label, self.devices, len(pool), given=devices is not None
+                )
+            )
         return mesh_in_order(pool, self.mesh_shape)
 
     def shardings(self, mesh: Mesh | None = None) -> InShardings:

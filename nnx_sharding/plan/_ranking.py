@@ -113,10 +113,8 @@ class Plans(Sequence[Plan]):
                 )
             )
         if not built:
-            reasons = "; ".join(f"{p.label}: {p.reason}" for p in self._plans[:3])
-            more = len(self._plans) - 3
-            reasons += f"; and {more} more (see the table)" if more > 0 else ""
-            raise ValueError(_errors.plan_no_candidate_built(reasons))
+            reasons = [f"{p.label}: {p.reason}" for p in self._plans[:3]]
+            raise ValueError(_errors.plan_no_candidate_built(reasons, len(self._plans) - 3))
         peak, closest = min(built, key=lambda b: b[0])
         miss = shortfall(closest, self.limit)
         raise ValueError(
@@ -130,24 +128,20 @@ class Plans(Sequence[Plan]):
             )
         )
 
-    def _advice(self) -> str:
-        """What `advice` shows, in a sentence ('' without any)."""
+    def _advice(self) -> tuple[str, str, str | None] | None:
+        """What `advice` shows, as `plan_nothing_fits` takes it: the first plan that fits
+        (label, peak, the knob values to search), else the lightest (label, peak, None);
+        None without any."""
         fitting = [(p.memory.peak, p) for p in self.advice if p.fits and p.memory is not None]
         if fitting:
             peak, p = fitting[0]
-            return (
-                f"Compiled beyond the space searched, {p.label} fits, needing "
-                f"{format_bytes(peak)} per device: search "
-                f"{', '.join(f'{k}={v!r}' for k, v in p.knobs.items())}."
-            )
+            knobs = ", ".join(f"{k}={v!r}" for k, v in p.knobs.items())
+            return p.label, format_bytes(peak), knobs
         built = [(p.memory.peak, p) for p in self.advice if p.memory is not None]
         if built:
             peak, p = min(built, key=lambda b: b[0])
-            return (
-                f"Compiled beyond the space searched, the lightest, {p.label}, still "
-                f"needs {format_bytes(peak)} per device."
-            )
-        return ""
+            return p.label, format_bytes(peak), None
+        return None
 
     def table(self, pruned: bool = True) -> Table:
         """The ranked plans as a rich table; with ``pruned=False``, the plans `search`

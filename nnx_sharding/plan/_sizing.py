@@ -68,9 +68,7 @@ def tokens_in(args: tuple[Any, ...], static: frozenset[int], variables: dict) ->
             dtype = getattr(leaf, "dtype", None)
             if dtype is not None and jnp.issubdtype(dtype, np.integer) and leaf.shape:
                 return math.prod(leaf.shape)
-    raise ValueError(
-        "devices_for: no integer array argument to count tokens from: pass tokens_per_step"
-    )
+    raise ValueError(_errors.plan_no_tokens())
 
 
 def scaled(args: tuple[Any, ...], skip: set[int], factor: int) -> tuple[Any, ...]:

@@ -1,4 +1,5 @@
-"""``python -m nnx_sharding plan``: the table for the built-in decoder, one-line errors."""
+"""``python -m nnx_sharding plan``: the table for the built-in decoder; a bad option is a
+one-line error, a plan the planner refuses its whole message."""
 
 from __future__ import annotations
 
@@ -171,16 +172,19 @@ def test_a_bad_search_option_is_one_line_and_status_2(option, message, capsys):
     ("option", "message"),
     [
         (["--microbatches", "3", "--batch", "8"],
-         "microbatches=3 does not divide the batch of 8; choose one of 1, 2, 4, 8"),
+         "microbatches=3 does not divide the batch of 8 (its divisors: 1, 2, 4, 8)"),
         (["--remat", "fulll"], "remat='fulll' is not a value the builder takes"),
     ],
 )  # fmt: skip
-def test_a_knob_value_the_decoder_refuses_is_one_line_and_status_2(option, message, capsys):
+def test_a_knob_value_the_decoder_refuses_is_its_message_and_status_2(option, message, capsys):
+    """The planner's message, whole: the problem on the error line, the rule and the
+    numbered fixes below it."""
     argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "dp"]
     assert main([*argv, *option]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("python -m nnx_sharding plan: error:") and message in err
-    assert err.count("\n") == 1
+    first, rule, *rest = capsys.readouterr().err.splitlines()
+    assert first.startswith("python -m nnx_sharding plan: error: plan.search: ")
+    assert message in first and rule.startswith("Rule: ")
+    assert rest[0] == "Fixes:" and rest[1].startswith("  1. ")
 
 
 def test_a_size_the_decoder_lacks_names_the_ones_it_has(capsys):
@@ -204,6 +208,10 @@ def test_when_nothing_fits_the_command_says_which_knobs_would(capsys):
     argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "fsdp"]
     assert main([*argv, "--batch", "64", "--memory-limit", "12000000"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "plan: no layout fits in 11.44 MiB per device. The closest is fsdp (fsdp=8)" in out
-    assert "Compiled beyond the space searched, fsdp (fsdp=8; remat=full) fits" in out
-    assert "search remat='full'." in out
+    assert (
+        "Plans.best: memory_limit: no layout fits in 11.44 MiB per device; the closest is "
+        "fsdp (fsdp=8)"
+    ) in out
+    assert (
+        "1. search remat='full': compiled beyond the space searched, fsdp (fsdp=8; remat=full) fits"
+    ) in out

@@ -136,7 +136,7 @@ def test_a_model_that_fits_nowhere_names_the_closest_plan_and_its_shortfall():
     with pytest.raises(ValueError) as info:
         _ = plans.best
     message = str(info.value)
-    assert f"The closest is {closest.label}" in message
+    assert f"the closest is {closest.label}" in message
     assert f"({closest.memory.peak - 65536:,} bytes) too many" in message
     assert [p.fits for p in plans] == [False, False]
     assert plans[0] is closest  # none fits: ranked by memory
@@ -190,7 +190,7 @@ def test_a_memory_limit_that_does_not_parse_says_what_forms_it_takes(limit):
     model, optimizer = abstract_mlp(64, 64, 1)
     with pytest.raises(ValueError) as info:
         nnx_sharding.plan(sgd_step, model, optimizer, jnp.ones((8, 64)), memory_limit=limit)
-    assert f"memory_limit={limit!r} is not a size" in str(info.value)
+    assert f"plan: memory_limit: {limit!r} is not a size" in str(info.value)
     assert "'80GiB'" in str(info.value)
 
 

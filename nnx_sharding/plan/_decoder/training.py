@@ -129,7 +129,7 @@ def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Buil
     def build(knobs: Mapping[str, Any]) -> Built:
         unknown = [k for k in knobs if k not in KNOBS]
         if unknown:
-            raise ValueError(_errors.decoder_unknown_knobs(unknown, list(KNOBS)))
+            raise ValueError(_errors.decoder_unknown_knobs(unknown, KNOBS))
         # each knob asked for by name: a search learns which ones the step reads
         knobs = {name: knobs.get(name, default) for name, default in KNOBS.items()}
         c = dataclasses.replace(

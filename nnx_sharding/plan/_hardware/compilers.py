@@ -21,6 +21,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from ... import _errors
+
 __all__ = [
     "COMPILERS",
     "compilers_dir",
@@ -161,4 +163,4 @@ def requirement(compiler: str) -> str:
         spec, _, marker = line.partition(";")
         if spec.strip().startswith("libtpu") and 'extra == "tpu"' in marker:
             return spec.strip().replace(" ", "")
-    raise RuntimeError(f"jax {importlib.metadata.version('jax')} names no libtpu in its tpu extra")
+    raise RuntimeError(_errors.compiler_no_libtpu(importlib.metadata.version("jax")))

@@ -109,25 +109,19 @@ def points(space: Mapping[str, Sequence[Any]] | None) -> list[dict[str, Any]]:
             raise ValueError(_errors.search_bad_knob_values(name, values))
     for value in space.get("microbatches", ()):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(_errors.search_bad_microbatches(value, None, None))
+            raise ValueError(_errors.search_bad_microbatches(value, None))
     names = list(space)
     return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*space.values())]
 
 
-def divisors(n: int) -> list[int]:
-    """>>> divisors(12)
-    [1, 2, 3, 4, 6, 12]"""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_microbatches(knobs: Mapping[str, Any], batch: int | None) -> None:
-    """Raises a one-line ValueError when ``knobs['microbatches']`` does not divide the
+    """Raises a ValueError when ``knobs['microbatches']`` does not divide the
     batch (the leading dimension of the step's data arguments), naming the divisors."""
     count = knobs.get("microbatches")
     if count is None or batch is None:
         return
     if batch % count:
-        raise ValueError(_errors.search_bad_microbatches(count, batch, divisors(batch)))
+        raise ValueError(_errors.search_bad_microbatches(count, batch))
 
 
 class Reads(Mapping[str, Any]):

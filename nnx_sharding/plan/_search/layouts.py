@@ -139,17 +139,17 @@ def exact_candidate(spec: Any, n: int) -> Candidate:
     from ... import _errors
 
     if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], Mapping)):
-        raise ValueError(_errors.plan_bad_layout_spec(spec))
+        raise ValueError(_errors.plan_bad_layout_spec(spec, list(LAYOUTS)))
     name, sizes = spec
     if name not in LAYOUTS:
         raise ValueError(_errors.plan_unknown_layouts([name], list(LAYOUTS)))
     axes = LAYOUTS[name]
     if set(sizes) != set(axes):
-        raise ValueError(_errors.plan_bad_candidate_axes(name, dict(sizes), axes))
+        raise ValueError(_errors.plan_bad_candidate(name, dict(sizes), axes, n))
     bad = {a: s for a, s in sizes.items() if not isinstance(s, int) or isinstance(s, bool)}
     bad |= {a: s for a, s in sizes.items() if a not in bad and s < 1}
     if bad or math.prod(sizes.values()) != n:
-        raise ValueError(_errors.plan_bad_candidate_sizes(name, dict(sizes), n))
+        raise ValueError(_errors.plan_bad_candidate(name, dict(sizes), axes, n))
     return Candidate(name, {a: sizes[a] for a in axes})
 
 

@@ -1,6 +1,6 @@
 """The built-in decoder (nnx_sharding/plan/_decoder/): the published models' sizes, the
 forward pass against a reference written out in plain JAX, tied embeddings, grouped-query
-attention, the logical activation names, `decoder_builder`'s contract and one-line errors."""
+attention, the logical activation names, `decoder_builder`'s contract and its errors."""
 
 from __future__ import annotations
 
@@ -297,29 +297,32 @@ def test_the_builder_gives_the_step_its_abstract_arguments_and_model_flops():
     "call, message",
     [
         (lambda: decoder_builder(SMALL)({"remat": "dots", "pipeline": 2}),
-         "decoder_builder: unknown knobs 'pipeline'; the knobs are 'remat', 'microbatches'."),
+         "decoder_builder: knobs: unknown knobs 'pipeline'"),
         (lambda: decoder_builder(SMALL)({"microbatches": 3}),
-         "decoder_builder: microbatches=3 does not divide the batch of 2; choose one of 1, 2."),
+         "decoder_builder: knobs: microbatches=3 does not divide the batch of 2 "
+         "(its divisors: 1, 2)"),
         (lambda: decoder_builder(SMALL)({"remat": "everything"}),
-         "DecoderConfig: remat='everything' is not one of 'none', 'dots', "
-         "'dots_with_context', 'full'."),
+         "DecoderConfig: remat: 'everything' is not one of 'none', 'dots', "
+         "'dots_with_context', 'full'"),
         (lambda: dataclasses.replace(SMALL, kv_heads=3),
-         "DecoderConfig: kv_heads=3 does not divide heads=4; choose one of 1, 2, 4."),
+         "DecoderConfig: kv_heads: 3 does not divide heads=4"),
         (lambda: dataclasses.replace(SMALL, activation="tanh"),
-         "DecoderConfig: activation='tanh' is not one of 'silu', 'gelu', 'relu'."),
+         "DecoderConfig: activation: 'tanh' is not one of 'silu', 'gelu', 'relu'"),
         (lambda: dataclasses.replace(SMALL, attention="flash"),
-         "DecoderConfig: attention='flash' is not one of 'auto', 'blockwise', 'splash', "
-         "'cudnn', 'triton'."),
+         "DecoderConfig: attention: 'flash' is not one of 'auto', 'blockwise', 'splash', "
+         "'cudnn', 'triton'"),
         (lambda: dataclasses.replace(SMALL, layers=0),
-         "DecoderConfig: layers=0; expected a positive integer."),
+         "DecoderConfig: layers: 0 is not a positive integer"),
         (lambda: nnx_sharding.plan.remat_policy("dot"),
-         "remat_policy: name='dot' is not one of 'none', 'dots', 'dots_with_context', 'full'."),
+         "remat_policy: name: 'dot' is not one of 'none', 'dots', 'dots_with_context', 'full'"),
     ],
 )  # fmt: skip
-def test_bad_knobs_and_configs_are_one_line_errors(call, message):
+def test_bad_knobs_and_configs_name_the_value_then_the_fixes(call, message):
     with pytest.raises(ValueError) as info:
         call()
-    assert str(info.value) == message
+    first, *rest = str(info.value).splitlines()
+    assert first == message
+    assert rest[0].startswith("Rule: ") and rest[1] == "Fixes:"
 
 
 def test_the_builder_carries_the_decoders_rules_to_search():

@@ -98,14 +98,16 @@ def test_accumulation_keeps_the_batch_split_over_the_data_axes():
         np.testing.assert_allclose(got[path], value, rtol=1e-5, atol=1e-6, err_msg=str(path))
 
 
-def test_a_microbatch_count_that_does_not_divide_the_batch_is_one_line():
+def test_a_microbatch_count_that_does_not_divide_the_batch_names_its_divisors():
     model, _, tokens = make()
     with pytest.raises(ValueError) as info:
         accumulate_gradients(loss_fn, model, tokens, 3)
-    assert str(info.value) == (
-        "accumulate_gradients: microbatches=3 does not divide the batch of 8; "
-        "choose one of 1, 2, 4, 8."
+    message = str(info.value)
+    assert message.splitlines()[0] == (
+        "accumulate_gradients: microbatches: 3 does not divide the batch of 8 "
+        "(its divisors: 1, 2, 4, 8)"
     )
+    assert "  1. choose one, e.g. `microbatches=2`;" in message
 
 
 # --- remat policies -----------------------------------------------------------------------------
