@@ -319,4 +319,5 @@ def _pipelined(
     # the inputs go to the first stage alone, the outputs come from the last alone: no
     # collective sums over the stages (whose backward would be one, of x's dtype)
     given = jax.tree.map(lambda a: jnp.zeros((stages, *a.shape), a.dtype).at[0].set(a), xs)
-    return jax.tree.map(lambda a: join(a[-1]), mapped(placed, given))
+    # under jit (inlined when traced already): shard_map over some axes runs only so
+    return jax.tree.map(lambda a: join(a[-1]), jax.jit(mapped)(placed, given))

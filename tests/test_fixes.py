@@ -100,6 +100,23 @@ def build(knobs):
     return Built(step, (model, x))
 """
 
+# A stack of 8 layers, a mesh whose 'stage' axis has 4 devices, and nnx.scan's answer.
+PIPELINE = """
+@nnx.split_rngs(splits=8)
+@nnx.vmap
+def make_stack(rngs):
+    return nnx.Linear(16, 16, rngs=rngs)
+
+
+def block(layer, h):
+    return jnp.tanh(layer(h))
+
+
+stack = make_stack(nnx.Rngs(0))
+stage_mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(AxisType.Auto,) * 2)
+reference = nnx.scan(block, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(stack, x)
+"""
+
 FRESH_PRELUDE = """\
 import jax.numpy as jnp
 from flax import nnx
@@ -1271,11 +1288,39 @@ CASES = [
         ValueError,
         check="close(value, jnp.mean(expected**2))",
     ),
+    Case(
+        "pipeline_too_few_microbatches",
+        1,
+        PIPELINE,
+        "with jax.set_mesh(stage_mesh):\n"
+        "    nnx_sharding.pipeline(block, microbatches=2)(stack, x)",
+        "with jax.set_mesh(stage_mesh):\n"
+        "    y = nnx_sharding.pipeline(block, microbatches=4)(stack, x)",
+        ValueError,
+        check="close(y, reference)",
+    ),
+    Case(
+        "pipeline_no_axis",
+        1,
+        PIPELINE,
+        "with jax.set_mesh(stage_mesh):\n"
+        "    nnx_sharding.pipeline(block, microbatches=4, axis='pipe')(stack, x)",
+        "with jax.set_mesh(stage_mesh):\n"
+        "    y = nnx_sharding.pipeline(block, microbatches=4, axis='stage')(stack, x)",
+        ValueError,
+        check="close(y, reference)",
+    ),
 ]
 
 # Message builders whose fixes have no code to run (or only name an option or a value
 # the message states), and helpers that build parts of other messages.
 PROSE = {
+    # pipeline: fixes that name a value to choose, or how to build the stack
+    "pipeline_bad_stack",
+    "pipeline_changes_shape",
+    "pipeline_layers_indivisible",
+    "pipeline_microbatches_indivisible",
+    "pipeline_mutates_stack",
     "static_graph_node",  # drop it from static_argnums
     "wrong_trace_level",  # use nnx.jit for the outer transform
     "state_sharding_at_leaf",
