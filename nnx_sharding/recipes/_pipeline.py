@@ -30,7 +30,9 @@ class DeepMLP(MLP):
     is ``(layers, hidden, hidden)``, its bias ``(layers, hidden)``. Under a mesh with a
     ``'stage'`` axis (`jax.set_mesh`) the blocks run as a GPipe pipeline over it; with
     no mesh (or none with that axis) they run as a scan, one block after the other.
-    Both give the same numbers: the model is its own single-device reference.
+    Both give the same numbers (to float32 rounding): the model is its own
+    single-device reference. As `nnx_sharding.pipeline` requires, the stages must
+    divide ``layers``, and ``microbatches`` be at least the stages and divide the batch.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
