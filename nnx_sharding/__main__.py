@@ -5,8 +5,10 @@
 Trains the tensor-parallel MLP recipe (`nnx_sharding.recipes`) on simulated CPU
 devices next to a single-device reference, then prints every parameter's sharding
 and both final losses. A mesh with a ``data`` axis trains the data-parallel recipe
-(with ``model`` too: both, on a 2-D mesh). With ``--checkpoint DIR`` the sharded run
-saves to DIR as it trains and, when DIR holds a checkpoint, resumes from it.
+(with ``model`` too: both, on a 2-D mesh); one with a ``stage`` axis, the pipeline
+recipe (a deeper MLP's blocks over ``stage``, beside ``data`` and ``model``). With
+``--checkpoint DIR`` the sharded run saves to DIR as it trains and, when DIR holds a
+checkpoint, resumes from it.
 
 Every command gets its simulated devices through `nnx_sharding._cli.common.cpu_devices_or_rerun`.
 A new command is one entry of `SUBCOMMANDS`.
@@ -34,6 +36,8 @@ from ._cli.launch import DESCRIPTION as LAUNCH_DESCRIPTION
 from ._cli.launch import USAGE as LAUNCH_USAGE
 
 PROG = "python -m nnx_sharding"
+JOB_AXES = ("stage", "data", "model")
+"""The training job's mesh axes, outermost first: the pipeline's stages, then the batch."""
 DESCRIPTION = "Trains a sharded nnx MLP on simulated CPU devices next to a one-device reference."
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -80,7 +84,8 @@ def _epilog() -> str:
     ]
     return (
         "The mesh picks the recipe: 'model' alone, tensor parallel (Megatron, shard_map);\n"
-        "'data' alone, data parallel; both, data x tensor parallel.\n\n"
+        "'data' alone, data parallel; both, data x tensor parallel; with 'stage', pipeline\n"
+        "parallel (GPipe) over it, 'data' and 'model' inside each stage.\n\n"
         f"commands ({PROG} COMMAND --help for their options):\n{commands}\n\n"
         "launcher (multi-process runs on one machine):\n"
         + "\n".join(launcher)
@@ -105,9 +110,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--mesh",
-        type=mesh_axes,
+        type=job_mesh_axes,
         metavar="AXES",
-        help="mesh axes, e.g. data=2,model=4 (default: model=N, N the devices)",
+        help=(
+            "mesh axes among stage, data, model, e.g. data=2,model=4 or stage=4,data=2 "
+            "(default: model=N, N the devices)"
+        ),
     )
     parser.add_argument(
         "--checkpoint",
@@ -119,6 +127,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ),
     )
     args = parser.parse_args(argv)
+    if args.mesh is not None and "stage" in args.mesh:
+        from .recipes._job import mesh_problem  # imports jax; starts no backend
+
+        problem = mesh_problem(args.mesh)
+        if problem is not None:
+            parser.error(f"--mesh {mesh_text(args.mesh)}: {problem}")
     if args.mesh is None:
         args.devices = args.devices or 8
         args.mesh = {"model": args.devices}
@@ -130,6 +144,15 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"but --devices is {args.devices}"
         )
     return args
+
+
+def job_mesh_axes(text: str) -> dict[str, int]:
+    """``--mesh``'s value for the training job: `mesh_axes` over `JOB_AXES`.
+
+    >>> job_mesh_axes('data=2,stage=4')
+    {'stage': 4, 'data': 2}
+    """
+    return mesh_axes(text, JOB_AXES)
 
 
 def subcommand(name: str) -> Callable[[Sequence[str]], int]:

@@ -59,6 +59,24 @@ def test_2d_mesh_and_device_count():
     assert loss == pytest.approx(reference, rel=1e-5)
 
 
+def test_stage_mesh_trains_the_pipeline_beside_the_same_model_without_it():
+    run = job("--mesh", "data=2,stage=4", "--steps", "5")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    title = "pipeline parallel (GPipe, 4 stages × 8 microbatches) on mesh {'stage': 4, 'data': 2}"
+    assert title in out and "8 residual blocks of 16 -> 8, batch 64" in out and "5/5" in out
+    rows = {
+        "blocks.kernel": r"\(8, 16, 16\)\s+│ P\('stage',\)\s+│ \(2, 16, 16\)",
+        "blocks.bias": r"\(8, 16\)\s+│ P\('stage',\)\s+│ \(2, 16\)",
+        "up.kernel": r"\(16, 16\)\s+│ P\(\)\s+│ \(16, 16\)",
+    }
+    for path, row in rows.items():
+        assert re.search(rf"{re.escape(path)}\s+│ {row}", out), (path, out)
+    loss, reference = final_losses(out)
+    assert loss == pytest.approx(reference, rel=1e-5)
+    assert "Traceback" not in run.stderr
+
+
 def test_devices_alone_sets_the_model_axis():
     run = job("--devices", "4", "--steps", "5")
     assert run.returncode == 0, run.stderr
@@ -72,7 +90,9 @@ def test_devices_alone_sets_the_model_axis():
         (["--steps", "ten"], "argument --steps: expected a positive integer, got 'ten'"),
         (["--devices", "-1"], "argument --devices: expected a positive integer, got '-1'"),
         (["--mesh", "data=3,model=4", "--devices", "8"], "has 12 devices, but --devices is 8"),
-        (["--mesh", "batch=8"], "expected NAME=SIZE pairs with NAME in ('data', 'model')"),
+        (["--mesh", "batch=8"], "with NAME in ('stage', 'data', 'model')"),
+        (["--mesh", "stage=3"], "--mesh stage=3: the pipeline's 8 residual blocks do not split"),
+        (["--mesh", "stage=16", "--devices", "16"], "do not split into 16 stages (stage=1, 2, 4"),
         (["--mesh", "data=2,data=4"], "axis 'data' is given twice"),
         (["--mesh", "data=two"], "expected a positive size for 'data', got 'two'"),
         (["--mesh", "model"], "got 'model'"),
@@ -92,9 +112,15 @@ def test_options_and_their_defaults():
     assert vars(parse([])) == {"devices": 8, "steps": 300, "mesh": {"model": 8}}
     assert parse(["--mesh", "model=2,data=2"]).devices == 4  # the mesh's size
     assert parse(["--mesh", "model=2, data=2"]).mesh == {"data": 2, "model": 2}
+    assert vars(parse(["--mesh", "data=2,stage=4"])) == {
+        "devices": 8, "steps": 300, "mesh": {"stage": 4, "data": 2}
+    }  # fmt: skip
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--mesh", "data=3,model=4", "--devices", "8"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--steps", "0"], ["--mesh", "data=3,model=4", "--devices", "8"], ["--mesh", "stage=3"]],
+)
 def test_bad_options_from_the_command_line(argv):
     run = job(*argv)
     assert run.returncode == 2
@@ -212,4 +238,19 @@ def test_checkpoint_resumes_the_run_exactly(tmp_path):
     other = job("--mesh", "model=4", "--steps", "30", "--checkpoint", str(tmp_path / "split"))
     assert other.returncode == 1, other.stdout + other.stderr
     assert "cannot resume from step 20" in other.stdout and "shape (16, 64)" in other.stdout
+    assert "Traceback" not in other.stderr
+
+
+def test_checkpoint_of_a_stage_mesh_resumes_in_the_pipeline_layout(tmp_path):
+    """Saved from the pipeline's layout (the blocks over 'stage'), restored into it."""
+    first = job("--mesh", "stage=4,data=2", "--steps", "4", "--checkpoint", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    second = job("--mesh", "stage=4,data=2", "--steps", "8", "--checkpoint", str(tmp_path))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from step 4" in second.stdout and "over steps 5-8" in second.stdout
+    loss, reference = final_losses(second.stdout)
+    assert loss == pytest.approx(reference, rel=1e-5)
+    # the MLP of another mesh does not fit it: refused, with no traceback
+    other = job("--mesh", "model=8", "--steps", "12", "--checkpoint", str(tmp_path))
+    assert other.returncode == 1 and "cannot resume from step 8" in other.stdout
     assert "Traceback" not in other.stderr

@@ -278,3 +278,43 @@ def test_adam_step_in_jit_stays_on_the_fast_path(monkeypatch):
     for _ in range(3):
         step(model, optimizer, x, y)
     assert calls == []
+
+
+def test_pipeline_step_matches_the_same_model_without_the_mesh(monkeypatch):
+    """`DeepMLP`'s 8 blocks pipelined over 4 stages (8 microbatches), the batch over
+    'data': every step's loss and the final parameters are those of the same model
+    trained by `reference_step` with no mesh, where the pipeline is a scan."""
+    import nnx_sharding._pipeline as pipeline_module
+
+    def deep() -> r.DeepMLP:
+        return r.DeepMLP(DIN, HIDDEN, DOUT, layers=8, microbatches=8, rngs=nnx.Rngs(0))
+
+    pipelined = []
+    real = pipeline_module._pipelined
+    monkeypatch.setattr(
+        pipeline_module, "_pipelined", lambda *a, **k: pipelined.append(1) or real(*a, **k)
+    )
+    ref_model = deep()
+    ref_losses = r.train(r.reference_step(), ref_model, r.make_optimizer(ref_model), BATCHES, 4)
+    assert pipelined == []  # no mesh: the scan
+    model = deep()
+    optimizer = r.make_optimizer(model)
+    step = r.pipeline_step(r.make_mesh({"stage": 4, "data": 2}))
+    losses = r.train(step, model, optimizer, BATCHES, 4)
+    assert pipelined  # traced as a pipeline
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    assert r.max_param_diff(model, ref_model) < 1e-5
+    stacked = {"blocks.bias": P("stage"), "blocks.kernel": P("stage")}
+    expected = {**dict.fromkeys(MEGATRON, P()), **stacked}
+    check_layout(model, optimizer, expected)
+    assert model.blocks.kernel[...].sharding.shard_shape((8, HIDDEN, HIDDEN)) == (2, HIDDEN, HIDDEN)
+
+
+def test_pipeline_sharding_with_tensor_parallelism_inside_each_stage():
+    specs = r.pipeline_sharding(model_axis="model")
+    assert specs.sharding_for(("opt_state", 0, "nu", "blocks", "kernel"), None) == P(
+        "stage", None, "model"
+    )
+    assert specs.sharding_for(("up", "kernel"), None) == P(None, "model")
+    assert specs.sharding_for(("down", "kernel"), None) == P("model", None)
+    assert specs.sharding_for(("opt_state", 0, "count"), None) == P()

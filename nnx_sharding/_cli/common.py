@@ -46,10 +46,11 @@ def positive(text: str) -> int:
     return value
 
 
-def mesh_axes(text: str) -> dict[str, int]:
+def mesh_axes(text: str, names: Sequence[str] = MESH_AXES) -> dict[str, int]:
     """``--mesh``'s value, ``data=2,model=4``, as ``{'data': 2, 'model': 4}``.
 
-    The axes come out in `MESH_AXES`' order (``model`` innermost), whatever the order given.
+    The axes come out in the order of ``names`` (`MESH_AXES`: ``model`` innermost),
+    whatever the order given; a name not in ``names`` is refused.
 
     >>> mesh_axes('model=4, data=2')
     {'data': 2, 'model': 4}
@@ -57,9 +58,9 @@ def mesh_axes(text: str) -> dict[str, int]:
     axes: dict[str, int] = {}
     for item in text.split(","):
         name, eq, size = (part.strip() for part in item.partition("="))
-        if not eq or name not in MESH_AXES:
+        if not eq or name not in names:
             raise argparse.ArgumentTypeError(
-                f"expected NAME=SIZE pairs with NAME in {MESH_AXES}, e.g. data=2,model=4; "
+                f"expected NAME=SIZE pairs with NAME in {tuple(names)}, e.g. data=2,model=4; "
                 f"got {item.strip()!r}"
             )
         if name in axes:
@@ -67,7 +68,7 @@ def mesh_axes(text: str) -> dict[str, int]:
         if not size.isdigit() or int(size) < 1:
             raise argparse.ArgumentTypeError(f"expected a positive size for {name!r}, got {size!r}")
         axes[name] = int(size)
-    return {name: axes[name] for name in MESH_AXES if name in axes}
+    return {name: axes[name] for name in names if name in axes}
 
 
 def mesh_text(axes: Mapping[str, int]) -> str:

@@ -1,4 +1,5 @@
-"""Recipes: an nnx MLP trained tensor-parallel, data-parallel, on a 2-D mesh and with FSDP.
+"""Recipes: an nnx MLP trained tensor-parallel, data-parallel, on a 2-D mesh, with FSDP
+and, deeper (`DeepMLP`), pipelined.
 
 Every recipe is a step factory, ``recipe(mesh, ...) -> step``, where
 ``step(model, optimizer, x, y)`` runs one adam step in place and returns the loss.
@@ -10,6 +11,7 @@ tolerance; ``docs/recipes/`` walks through them.
 - `data_parallel_step`: batch over ``'data'``, gradients averaged with ``pmean``.
 - `data_tensor_parallel_step`: both, on a ``('data', 'model')`` mesh.
 - `fsdp_step`: parameters split over ``'data'`` (`fsdp_sharding`), gathered each step.
+- `pipeline_step`: `DeepMLP`'s blocks pipelined over ``'stage'`` (`pipeline_sharding`).
 """
 
 from ._data_parallel import data_parallel_step as data_parallel_step
@@ -28,6 +30,9 @@ from ._model import mse as mse
 from ._model import param_specs as param_specs
 from ._model import reference_step as reference_step
 from ._model import train as train
+from ._pipeline import DeepMLP as DeepMLP
+from ._pipeline import pipeline_sharding as pipeline_sharding
+from ._pipeline import pipeline_step as pipeline_step
 from ._specs import PathEndsWith as PathEndsWith
 from ._specs import make_mesh as make_mesh
 from ._specs import megatron_sharding as megatron_sharding
@@ -39,6 +44,7 @@ from ._tp_shard_map import tp_forward as tp_forward
 __all__ = [
     "MLP",
     "Batch",
+    "DeepMLP",
     "OnStep",
     "PathEndsWith",
     "Step",
@@ -56,6 +62,8 @@ __all__ = [
     "mse",
     "on_mesh",
     "param_specs",
+    "pipeline_sharding",
+    "pipeline_step",
     "reference_step",
     "tensor_parallel_step",
     "tp_forward",

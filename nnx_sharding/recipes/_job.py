@@ -8,6 +8,10 @@ and trains on from its step. Batch ``i`` is ``batches[i % len(batches)]`` for th
 global step ``i``, so a resumed run sees the data the uninterrupted run would have
 seen, and its losses continue that run's exactly. The single-device reference always
 trains from scratch: it is cheap and keeps the comparison the same.
+
+A mesh with a ``stage`` axis trains `DeepMLP` instead of the MLP: `LAYERS` residual
+blocks pipelined over ``stage`` (GPipe, `pipeline_step`), its reference the same model
+with no mesh, where the pipeline is a plain scan over the blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ._model import (
     reference_step,
 )
 from ._model import train as train_steps
+from ._pipeline import DeepMLP, pipeline_sharding, pipeline_step
 from ._specs import AxisName, make_mesh, megatron_sharding, on_mesh
 from ._tp_shard_map import tensor_parallel_step
 
@@ -52,12 +57,49 @@ SAVE_EVERY = 100
 """With ``--checkpoint``: the sharded run saves every this many steps, and at the end."""
 MAX_TO_KEEP = 3
 """With ``--checkpoint``: how many of the latest checkpoints the directory keeps."""
+LAYERS = 8
+"""With a ``stage`` axis: `DeepMLP`'s residual blocks, split evenly over the stages."""
+
+
+def mesh_problem(axes: Mapping[AxisName, int]) -> str | None:
+    """Why the job cannot train on the mesh ``axes``, in a line; None when it can.
+
+    >>> print(mesh_problem({'stage': 3}))
+    the pipeline's 8 residual blocks do not split into 3 stages (stage=1, 2, 4 or 8)
+    """
+    stages = axes.get("stage", 1)
+    if LAYERS % stages:
+        fits = [n for n in range(1, LAYERS + 1) if LAYERS % n == 0]
+        shown = ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}"
+        return (
+            f"the pipeline's {LAYERS} residual blocks do not split into {stages} stages "
+            f"(stage={shown})"
+        )
+    return None
+
+
+def microbatches(axes: Mapping[AxisName, int]) -> int:
+    """With a ``stage`` axis: the pipeline's microbatches, twice the stages.
+
+    >>> microbatches({'stage': 4, 'data': 2})
+    8
+    """
+    return 2 * axes.get("stage", 1)
 
 
 def pick_recipe(axes: Mapping[AxisName, int]) -> tuple[str, Step, NamedSharding]:
-    """The recipe for the mesh (tensor-parallel, data-parallel or both), its batch sharding."""
+    """The recipe for the mesh (pipeline-, tensor-, data-parallel or data x tensor), its
+    batch sharding."""
     mesh = make_mesh(axes)
     batch = NamedSharding(mesh, P("data") if "data" in axes else P())
+    if "stage" in axes:
+        stages, inside = axes["stage"], " x tensor" * ("model" in axes)
+        plural = "s" * (stages != 1)
+        name = (
+            f"pipeline{inside} parallel (GPipe, {stages} stage{plural} × "
+            f"{microbatches(axes)} microbatches)"
+        )
+        return name, pipeline_step(mesh), batch
     if "data" in axes and "model" in axes:
         return "data x tensor parallel", data_tensor_parallel_step(mesh), batch
     if "data" in axes:
@@ -70,11 +112,16 @@ def state_layout(axes: Mapping[AxisName, int]) -> StateSharding:
 
     Megatron's split over ``model`` when the mesh has that axis (replicated over
     ``data``), else everything replicated: the ``in_shardings`` of the recipe's step.
+    With ``stage``, `pipeline_sharding`: the blocks' layer dimension over ``stage``.
 
     >>> state_layout({'data': 2}).shardings[0].spec
     P()
+    >>> state_layout({'stage': 1}).shardings[0].spec
+    P('stage',)
     """
     mesh = make_mesh(axes)
+    if "stage" in axes:
+        return on_mesh(mesh, pipeline_sharding(model_axis="model" if "model" in axes else None))
     if "model" in axes:
         return on_mesh(mesh, megatron_sharding())
     return StateSharding({...: NamedSharding(mesh, P())})
@@ -112,19 +159,20 @@ def run(
             problem = str(e).splitlines()[0].split(": ", 2)[-1]
             print(f"python -m nnx_sharding: error: --checkpoint: {problem}", file=sys.stderr)
             return 2
-    hidden, batch = 16 * axes.get("model", 1), 32 * axes.get("data", 1)
+    batch = 32 * axes.get("data", 1)
     name, step, placement = pick_recipe(axes)
     batches = make_batches(16, batch, DIN, DOUT)
-    model = MLP(DIN, hidden, DOUT, rngs=nnx.Rngs(0))
+    model = new_model(axes)
     reference = nnx.clone(model)
     optimizer = make_optimizer(model)
-    console.print(f"[bold]{name}[/] on mesh {dict(axes)}")
-    console.print(f"MLP {DIN} -> {hidden} -> {DOUT}, batch {batch}, adam, {steps} steps")
+    # one line each, however long (the pipeline's title is longer than 80 columns)
+    console.print(f"[bold]{name}[/] on mesh {dict(axes)}", soft_wrap=True)
+    console.print(f"{_describe(axes)}, batch {batch}, adam, {steps} steps", soft_wrap=True)
     first = 0
     if manager is not None:
         directory = Path(str(manager.directory))
         try:
-            resumed = _resume(manager, directory, axes, hidden, steps, console)
+            resumed = _resume(manager, directory, axes, steps, console)
         except _Stop as stop:
             manager.close()
             return stop.status
@@ -185,7 +233,6 @@ def _resume(
     manager: Manager,
     directory: Path,
     axes: Mapping[AxisName, int],
-    hidden: int,
     steps: int,
     console: Console,
 ) -> tuple[int, MLP, nnx.Optimizer[MLP]] | None:
@@ -201,13 +248,13 @@ def _resume(
             "nothing to train"
         )
         raise _Stop(0)
-    abstract = nnx.eval_shape(lambda: _model_and_optimizer(hidden))
+    abstract = nnx.eval_shape(lambda: _model_and_optimizer(axes))
     try:
         model, optimizer = manager.restore(abstract, shardings=state_layout(axes))
     except ValueError as e:  # the checkpoint's shapes differ: saved with another --mesh
         console.print(
             f"[red]cannot resume from step {latest} of the checkpoint in {directory}: "
-            f"it does not fit MLP {DIN} -> {hidden} -> {DOUT} (saved with another --mesh?)[/]"
+            f"it does not fit {_describe(axes)} (saved with another --mesh?)[/]"
         )
         console.print(str(e), markup=False, highlight=False)
         raise _Stop(1) from None
@@ -218,8 +265,30 @@ def _resume(
     return latest, model, optimizer
 
 
-def _model_and_optimizer(hidden: int) -> tuple[MLP, nnx.Optimizer[MLP]]:
-    model = MLP(DIN, hidden, DOUT, rngs=nnx.Rngs(0))
+def new_model(axes: Mapping[AxisName, int]) -> MLP:
+    """The model the job trains on ``axes``: the MLP, 16 hidden units per ``model``
+    device; with ``stage``, `DeepMLP` (`LAYERS` blocks, `microbatches`).
+
+    >>> type(new_model({'stage': 4, 'data': 2})).__name__
+    'DeepMLP'
+    """
+    hidden = 16 * axes.get("model", 1)
+    if "stage" in axes:
+        return DeepMLP(
+            DIN, hidden, DOUT, layers=LAYERS, microbatches=microbatches(axes), rngs=nnx.Rngs(0)
+        )
+    return MLP(DIN, hidden, DOUT, rngs=nnx.Rngs(0))
+
+
+def _describe(axes: Mapping[AxisName, int]) -> str:
+    hidden = 16 * axes.get("model", 1)
+    if "stage" in axes:
+        return f"MLP {DIN} -> {hidden} -> {LAYERS} residual blocks of {hidden} -> {DOUT}"
+    return f"MLP {DIN} -> {hidden} -> {DOUT}"
+
+
+def _model_and_optimizer(axes: Mapping[AxisName, int]) -> tuple[MLP, nnx.Optimizer[MLP]]:
+    model = new_model(axes)
     return model, make_optimizer(model)
 
 
