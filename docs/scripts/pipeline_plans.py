@@ -1,9 +1,9 @@
 """Plans where pipeline parallelism wins and where it loses (docs/planning/real_runs.md,
-"Pipeline parallelism: across nodes, not inside one"): the built-in decoder planned
-with no GPU for H100 nodes of 8 GPUs whose network is 400 Gb/s per GPU, exact
-candidates, full remat.
+"Pipeline parallelism"): the built-in decoder planned with no GPU for H100 nodes of 8
+GPUs, exact candidates, full remat.
 
     python docs/scripts/pipeline_plans.py nodes   # Llama-3-70B on 8 nodes (64 GPUs)
+    python docs/scripts/pipeline_plans.py nodes --network-gbps 50
     python docs/scripts/pipeline_plans.py node    # Llama-3-8B on one node (8 GPUs)
 
 Each prints the plans as a table (layout, mesh, knobs, peak, step, exposed comms) and,
@@ -23,13 +23,14 @@ RUNS = {
         config="llama3-70b",
         devices=64,
         batch=64,
-        seq=4096,
+        seq=2048,
         layouts=[
             ("fsdp", {"fsdp": 64}),
             ("dp+fsdp", {"data": 8, "fsdp": 8}),
-            ("pp+fsdp", {"stage": 8, "fsdp": 8}),
+            ("pp+tp", {"stage": 8, "model": 8}),
+            ("pp+fsdp+tp", {"stage": 8, "fsdp": 2, "model": 4}),
         ],
-        space={"remat": ["full"], "pipeline_microbatches": [8, 32]},
+        space={"remat": ["full"], "pipeline_microbatches": [16, 32]},
     ),
     # one node of 8: FSDP over NVLink against 2 and 4 stages
     "node": dict(
@@ -51,10 +52,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", choices=list(RUNS))
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--network-gbps", type=float, default=400.0,
+        help="the network across nodes, Gb/s per GPU (the h100 preset: 400)",
+    )  # fmt: skip
     args = parser.parse_args()
     run = RUNS[args.run]
 
-    from nnx_sharding.plan import DECODER_CONFIGS, decoder_builder, search
+    from nnx_sharding.plan import DECODER_CONFIGS, PRESETS, decoder_builder, search
 
     config = dataclasses.replace(
         DECODER_CONFIGS[run["config"]], batch=run["batch"], seq_len=run["seq"]
@@ -64,12 +69,17 @@ def main() -> None:
         decoder_builder(config),
         run["space"],
         devices=run["devices"],
-        accelerator="h100",
+        accelerator=dataclasses.replace(
+            PRESETS["h100"], name="h100", inter_bandwidth=args.network_gbps * 1e9 / 8
+        ),
         layouts=run["layouts"],
         prune=False,
     )
     seconds = time.perf_counter() - start
-    print(f"{run['config']} on {run['devices']} H100s: {len(plans)} plans in {seconds:.0f} s")
+    print(
+        f"{run['config']} on {run['devices']} H100s, {args.network_gbps:g} Gb/s per GPU "
+        f"across nodes: {len(plans)} plans in {seconds:.0f} s"
+    )
     print("| layout | mesh | pipeline microbatches | peak | step | comms exposed | fits |")
     print("|---|---|---|---|---|---|---|")
     for p in plans:

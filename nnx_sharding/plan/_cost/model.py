@@ -122,11 +122,7 @@ _DTYPES = {
 class Topology:
     """Where each device of a mesh (by position in the mesh's device order) sits: its
     node (a GPU host; a TPU slice) and, on TPUs, its coordinates in the slice's torus
-    and the torus's size per axis.
-
-    >>> Topology.of([None] * 16, 8).nodes[7:9]
-    (0, 1)
-    """
+    and the torus's size per axis."""
 
     nodes: tuple[int, ...]
     coords: tuple[tuple[int, ...], ...] = ()
@@ -134,9 +130,15 @@ class Topology:
 
     @classmethod
     def of(cls, devices: Sequence[Any], per_node: int) -> Topology:
-        """TPU devices (they have ``coords``): nodes by ``slice_index``, every chip of a
-        slice in one node; others: consecutive runs of ``per_node`` devices."""
-        if devices and all(getattr(d, "coords", None) is not None for d in devices):
+        """TPU devices: nodes by ``slice_index``, every chip of a slice in one node (the
+        ICI torus), placed by their ``coords``; others (GPUs, whose compile-only devices
+        have ``coords`` too, and CPUs): consecutive runs of ``per_node`` devices.
+
+        >>> Topology.of([None] * 16, 8).nodes[7:9]
+        (0, 1)
+        """
+        tpu = all(getattr(d, "platform", None) == "tpu" for d in devices)
+        if devices and tpu and all(getattr(d, "coords", None) is not None for d in devices):
             coords = tuple(tuple(int(c) for c in d.coords) for d in devices)
             nodes = tuple(int(getattr(d, "slice_index", 0) or 0) for d in devices)
             dims = tuple(max(c[a] for c in coords) + 1 for a in range(len(coords[0])))

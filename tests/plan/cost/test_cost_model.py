@@ -18,7 +18,11 @@ from nnx_sharding.plan._cost.model import (
     predict,
     spanned_axes,
 )
-from nnx_sharding.plan._hardware.devices import compile_devices, has_tpu_compiler
+from nnx_sharding.plan._hardware.devices import (
+    compile_devices,
+    has_gpu_compiler,
+    has_tpu_compiler,
+)
 
 H100 = PRESETS["h100"]
 MB = 10**6
@@ -85,6 +89,22 @@ def test_a_tpu_slice_is_one_torus_whatever_its_hosts():
     assert collective_time(half, v5e, topology) == pytest.approx(
         v5e.intra_latency + 1000 * MB * (7 / 8) / (link * v5e.link_efficiency)
     )
+
+
+@pytest.mark.skipif(not has_gpu_compiler(), reason="needs the GPU compiler")
+def test_compile_only_gpus_are_nodes_of_eight_on_the_network():
+    """16 compile-only H100s are two hosts of 8 (their devices carry coords, as TPUs'
+    do, but no torus joins the hosts): FSDP's gather over all 16 crosses the network,
+    a gather inside a host stays on NVLink."""
+    h100 = PRESETS["h100"]
+    devices, compiler, _ = compile_devices(h100, 16)
+    topology = Topology.of(devices, h100.devices_per_node)
+    assert compiler == "gpu" and topology.nodes == (0,) * 8 + (1,) * 8 and not topology.coords
+    every = Collective("all-gather", 1000 * MB, (tuple(range(16)),), "x")
+    inside = Collective("all-gather", 1000 * MB, (tuple(range(8)),), "x")
+    across = 1000 * MB * (1 / 2) / (8 * h100.inter_bandwidth * h100.link_efficiency)
+    assert collective_time(every, h100, topology) >= h100.inter_latency + across
+    assert collective_time(inside, h100, topology) < collective_time(every, h100, topology)
 
 
 @needs_tpu
