@@ -1275,7 +1275,10 @@ CASES = [
         1,
         "build = nnx_sharding.plan.decoder_builder(nnx_sharding.plan.DECODER_CONFIGS['tiny'])",
         "build({'remat': 'dots', 'pipeline': 2})",
-        "built = build({'remat': 'none', 'microbatches': 1})",
+        "built = build(\n"
+        "    {'remat': 'none', 'microbatches': 1, 'pipeline_microbatches': None,"
+        " 'pipeline_repeats': 1}\n"
+        ")",
         ValueError,
         check="assert built.args[2].shape == (8, 65)",
     ),

@@ -129,6 +129,14 @@ def test_under_jit_with_fsdp_and_tensor_parallel_inside_each_stage(x, reference)
     with jax.set_mesh(mesh_of({"stage": 2, "fsdp": 2, "model": 2})):
         jitted = nnx_sharding.jit(step, in_shardings=(specs, P()), donate_argnums=0)
         compiled = jitted.lower(layers, x).compile()
+        # ahead of time, from a stack never allocated
+        abstract = nnx.eval_shape(make_stack)
+        aot = jitted.lower(abstract, jax.ShapeDtypeStruct(x.shape, x.dtype)).compile()
+        sizes = [
+            (m.argument_size_in_bytes, m.temp_size_in_bytes)
+            for m in (aot.memory_analysis(), compiled.memory_analysis())
+        ]
+        assert sizes[0] == sizes[1] and "collective-permute" in aot.as_text()
         loss = jitted(layers, x)
     close(loss, reference[0])
     text = compiled.as_text()

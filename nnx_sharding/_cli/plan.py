@@ -135,6 +135,11 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--tied", action=argparse.BooleanOptionalAction, help="tie the embedding and the head"
     )
+    model.add_argument(
+        "--scan",
+        action=argparse.BooleanOptionalAction,
+        help="stack the layers and scan them (the pipeline layouts need it), or unroll them",
+    )
     model.add_argument("--param-dtype", help="the parameters' dtype, e.g. float32")
     model.add_argument("--compute-dtype", help="the matmuls' dtype, e.g. bfloat16")
     return p
@@ -256,7 +261,7 @@ def _config(p: argparse.ArgumentParser, args: argparse.Namespace, devices: int) 
     config = DECODER_CONFIGS[args.config]
     fields = {f.name for f in dataclasses.fields(config)}
     wanted = {name: getattr(args, name) for name in DIMENSIONS}
-    wanted |= {"gated": args.gated, "tied": args.tied}
+    wanted |= {"gated": args.gated, "tied": args.tied, "scan": args.scan}
     wanted |= {"param_dtype": args.param_dtype, "compute_dtype": args.compute_dtype}
     wanted = {k: v for k, v in wanted.items() if v is not None}
     if missing := [k for k in wanted if k not in fields]:

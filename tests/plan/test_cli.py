@@ -124,6 +124,28 @@ def test_searches_the_decoders_microbatches_and_writes_every_plan_as_json(capsys
             assert p["model_tflops_per_device"] == p["model_flops"] / p["time"]["step"] / 1e12
 
 
+def test_searches_the_pipeline_knobs_of_a_scanned_decoder(capsys, tmp_path):
+    """``--scan`` stacks the tiny decoder's layers, ``--layouts pp+fsdp`` pipelines them
+    and ``--knob pipeline_microbatches=4,8`` searches the schedule: each plan's notes
+    give its bubble."""
+    import json
+
+    path = tmp_path / "plans.json"
+    argv = ["--config", "tiny", "--scan", "--layers", "4", "--batch", "16", "--devices", "8"]
+    argv += ["--accelerator", "cpu", "--layouts", "pp+fsdp", "--json", str(path)]
+    status = main([*argv, "--knob", "pipeline_microbatches=4,8"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    plans = json.loads(path.read_text())["plans"]
+    pipelined = [p for p in plans if p["mesh_shape"] == {"stage": 4, "fsdp": 2}]
+    assert sorted(p["knobs"]["pipeline_microbatches"] for p in pipelined) == [4, 8]
+    bubbles = sorted(n for p in pipelined for n in p["notes"] if "pipeline bubble" in n)
+    assert [b.split(" of the step")[0] for b in bubbles] == [
+        "pipeline bubble: 27%",  # 3 / (8 + 3)
+        "pipeline bubble: 43%",  # 3 / (4 + 3)
+    ]
+
+
 def test_plans_your_own_builder_over_its_knobs(capsys, tmp_path, monkeypatch):
     (tmp_path / "my_builder.py").write_text(
         "import jax, jax.numpy as jnp\n"
