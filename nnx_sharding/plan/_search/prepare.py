@@ -131,7 +131,9 @@ def prepare(
         tp, tp_problem = tp_cache[key]
     every = [pair for pairs in variables.values() for pair in pairs]
     stacked = metadata_tp(every, rules, STAGE)
-    stage = {} if stacked is None else {i: mirror(stacked, p) for i, p in variables.items()}
+    stage: dict[int, dict[Path, P] | None] = {}
+    if stacked is not None:
+        stage = {i: mirror(stacked, p) for i, p in variables.items()}
     return Step(
         fun=fun,
         args=shapes,
