@@ -74,8 +74,10 @@ def close(actual, desired) -> None:
         ({"stage": 2, "data": 4}, 4, 2),
         ({"stage": 8}, 8, 1),
         ({"data": 2, "stage": 4}, 4, 1),
+        ({"stage": 4}, 4, 2),
+        ({"stage": 2, "data": 2}, 2, 1),
     ],
-    ids=["gpipe 4x2", "circular 4x2", "circular 2x4", "gpipe 8", "stage inner"],
+    ids=["gpipe 4x2", "circular 4x2", "circular 2x4", "gpipe 8", "stage inner", "4", "2x2"],
 )
 def test_output_and_gradients_are_the_scans(x, reference, shape, microbatches, repeats):
     run = nnx_sharding.pipeline(block, microbatches=microbatches, repeats=repeats)
