@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .layout import format_message
+from .layout import divisors, format_message
 
 __all__ = [
     "pipeline_bad_stack",
@@ -58,14 +58,16 @@ def pipeline_layers_indivisible(layers: int, stages: int, repeats: int, axis: st
 
 def pipeline_microbatches_indivisible(batch: int, microbatches: int) -> str:
     """The batch does not split into ``microbatches`` equal microbatches."""
-    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
     return format_message(
         "pipeline",
         "microbatches",
         [f"microbatches={microbatches} does not divide the batch of {batch}"],
         "Rule: the batch (the leading dimension of every array of x) is split into "
         "microbatches of equal size.",
-        [f"choose microbatches among {', '.join(map(str, divisors[:12]))};", "or pad the batch."],
+        [
+            f"choose microbatches among {', '.join(map(str, divisors(batch)[:12]))};",
+            "or pad the batch.",
+        ],
     )
 
 
