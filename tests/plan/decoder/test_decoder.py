@@ -337,3 +337,31 @@ def test_the_builder_carries_the_decoders_rules_to_search():
                   layouts=exact)  # fmt: skip
     assert carried[0].memory == given[0].memory
     assert carried[0].memory.state < bare[0].memory.state
+
+
+def test_under_a_stage_axis_the_decoder_is_pipelined_and_exact():
+    """The scanned decoder under a ``stage`` mesh runs its layers through
+    `nnx_sharding.pipeline` (the program passes activations with collective-permutes)
+    and gives the loss and gradients it gives without the mesh."""
+    from jax.sharding import AxisType
+
+    from nnx_sharding.plan._decoder.model import loss_fn
+
+    config = dataclasses.replace(
+        DECODER_CONFIGS["tiny"], scan=True, layers=4, compute_dtype="float32",
+        pipeline_microbatches=4, pipeline_repeats=2,
+    )  # fmt: skip
+    with nnx.use_eager_sharding(False):
+        model = nnx_sharding.plan.Decoder(config, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, config.vocab)
+    grad = nnx.value_and_grad(loss_fn)
+    loss, grads = grad(model, tokens)
+    mesh = jax.make_mesh((2, 4), ("stage", "data"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        step = nnx.jit(grad)
+        piped, piped_grads = step(model, tokens)
+        text = step.lower(model, tokens).compile().as_text()
+    assert "collective-permute" in text
+    np.testing.assert_allclose(piped, loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(piped_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
