@@ -226,8 +226,8 @@ class Plans(Sequence[Plan]):
 
     def calibrate(self, name: str | None = None) -> Accelerator:
         """The accelerator these plans were costed on, with its achievable fractions
-        (matmul, HBM, links) fitted to the plans `measure` timed (`_cost.calibrate`). Save it
-        with ``nnx_sharding.plan.save_accelerator`` and plan with it later, or see its
+        (matmul, HBM, links) fitted to the plans `measure` timed (`_cost.calibrate`). Save
+        it with `Accelerator.save` and plan with it later (`Accelerator.load`), or see its
         predictions here with `reprice`.
 
         Raises:
