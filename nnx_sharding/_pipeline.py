@@ -105,13 +105,11 @@ def pipeline(
         one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), state)
         _check_f(f, graphdef, one, _microbatch_like(x, microbatches))
         found = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-        axes = tuple(getattr(found, "axis_names", ()) or ())
-        if name not in axes:
-            if explicit and axes:
-                raise ValueError(_errors.pipeline_no_axis(name, axes))
-            return _scan(f, graphdef, state, x)
-        stages = dict(zip(axes, found.axis_sizes, strict=True))[name]
-        if stages == 1:
+        axes = tuple(found.shape)
+        if name not in axes and explicit and axes:
+            raise ValueError(_errors.pipeline_no_axis(name, axes))
+        stages = stage_count(name, found)
+        if stages == 1:  # no such axis, or of size 1
             return _scan(f, graphdef, state, x)
         if count % (stages * repeats):
             raise ValueError(_errors.pipeline_layers_indivisible(count, stages, repeats, name))
@@ -133,6 +131,13 @@ def pipeline(
         return cast(Callable[..., X], auto)(state, x)
 
     return run
+
+
+def stage_count(axis: str = STAGE, mesh: Mesh | AbstractMesh | None = None) -> int:
+    """The size of ``axis`` on ``mesh`` (default: the mesh `jax.set_mesh` set); 1
+    without it: how many stages `pipeline` would run."""
+    found = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    return int(found.shape.get(axis, 1))
 
 
 def _layer_count(leaves: list[Any]) -> int:
@@ -307,7 +312,7 @@ def _pipelined(
         return jax.tree.map(lambda a: a[None], out)  # one row per stage
 
     context = jax.sharding.get_abstract_mesh()  # under auto_axes: the same axes, all Auto
-    same = tuple(getattr(context, "axis_names", ()) or ()) == tuple(mesh.axis_names)
+    same = tuple(context.shape) == tuple(mesh.shape)
     mapped = jax.shard_map(
         stage,
         mesh=context if same else mesh,

@@ -128,6 +128,10 @@ class Topology:
     coords: tuple[tuple[int, ...], ...] = ()
     dims: tuple[int, ...] = ()
 
+    def node(self, i: int) -> int:
+        """The node of the device at position ``i`` (0 past the devices known)."""
+        return self.nodes[i] if i < len(self.nodes) else 0
+
     @classmethod
     def of(cls, devices: Sequence[Any], per_node: int) -> Topology:
         """TPU devices: nodes by ``slice_index``, every chip of a slice in one node (the
@@ -175,14 +179,15 @@ def collective_time(
     >>> round(collective_time(gather, h100) * 1e3, 1)  # 7/8 of 8 GB at 0.82 x 450 GB/s
     19.0
     """
-    group = _group(c, topology, accelerator.devices_per_node)
+    if topology is None:
+        last = max((i for g in c.groups for i in g), default=0)
+        topology = Topology(tuple(i // accelerator.devices_per_node for i in range(last + 1)))
+    group = _group(c, topology)
     n = len(group)
     if n <= 1:
         return 0.0
-    if topology is None:
-        topology = Topology(tuple(i // accelerator.devices_per_node for i in range(max(group) + 1)))
     eff = min(accelerator.link_efficiency * efficiency, 1.0)
-    nodes = [topology.nodes[i] if i < len(topology.nodes) else 0 for i in group]
+    nodes = [topology.node(i) for i in group]
     count = len(set(nodes))
     per_node = max(n // count, 1)
     factor = _FACTOR[c.kind]
@@ -201,19 +206,13 @@ def collective_time(
     return accelerator.inter_latency + max(inside, across)
 
 
-def _group(c: Collective, topology: Topology | None, per_node: int) -> tuple[int, ...]:
+def _group(c: Collective, topology: Topology | None = None) -> tuple[int, ...]:
     """The collective's largest group; for a collective-permute, a pair that moves, one
-    that crosses nodes where any does (all pairs send at once: the slowest link sets
-    the time, as a pipeline's stages across nodes do)."""
+    that crosses nodes of ``topology`` where any does (all pairs send at once: the
+    slowest link sets the time, as a pipeline's stages across nodes do)."""
     if c.kind == "collective-permute":
         moving = [g for g in c.groups if len(set(g)) > 1]
-
-        def node(i: int) -> int:
-            if topology is None:
-                return i // per_node
-            return topology.nodes[i] if i < len(topology.nodes) else 0
-
-        crossing = [g for g in moving if len({node(i) for i in g}) > 1]
+        crossing = [g for g in moving if topology and len({topology.node(i) for i in g}) > 1]
         return tuple((crossing or moving or [()])[0])
     return tuple(max(c.groups, key=len, default=()))
 
@@ -252,7 +251,7 @@ def critical(c: Collective, mesh_shape: Mapping[str, int]) -> bool:
         return not c.hidden
     if c.kind == "collective-permute":
         return False
-    return "model" in spanned_axes(_group(c, None, 1), mesh_shape)
+    return "model" in spanned_axes(_group(c), mesh_shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from ..._pipeline import pipeline
+from ..._pipeline import pipeline, stage_count
 from .activation_sharding import constrain_activation as constrain
 from .attention import causal_attention
 from .configs import ACTIVATIONS, DecoderConfig
@@ -165,7 +165,7 @@ class Decoder(nnx.Module):
         if c.remat != "none":  # each layer rematerialized on its own
             layer = nnx.remat(layer, policy=remat_policy(c.remat), prevent_cse=not c.scan)
         layers: Any = self.layers  # one Block of stacked weights when scanned, else a List
-        stages = _stages()
+        stages = stage_count()
         if c.scan and stages > 1:  # the stacked layers as a pipeline over 'stage'
             microbatches = c.pipeline_microbatches or stages
             run = pipeline(lambda block, x: layer(x, block), microbatches=microbatches,
@@ -182,13 +182,6 @@ class Decoder(nnx.Module):
         else:
             logits = x @ self.head[...].astype(dtype)
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
-
-
-def _stages() -> int:
-    """The size of the ``stage`` axis of the mesh set (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    names = tuple(getattr(mesh, "axis_names", ()) or ())
-    return dict(zip(names, mesh.axis_sizes, strict=True)).get("stage", 1) if names else 1
 
 
 def loss_fn(model: Decoder, tokens: jax.Array) -> jax.Array:

@@ -29,6 +29,9 @@ attention's (``dots_with_context``); the weight matmuls' outputs
 Each saves memory and recomputes more than the one before (measured for Llama 2 7B on 8
 H100s: docs/planning/decoder.md, its memory table)."""
 KNOWN = ("remat", "microbatches")
+PIPELINE_KNOBS = ("pipeline_microbatches", "pipeline_repeats")
+"""The pipeline's knobs (`nnx_sharding.pipeline`'s ``microbatches`` and ``repeats``):
+they act only under a ``stage`` axis."""
 
 
 class Rank(NamedTuple):

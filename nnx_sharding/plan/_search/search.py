@@ -23,7 +23,7 @@ from .._ranking import Plans
 from .._step import Step
 from .compile import compile_candidate, in_shardings, listed, precheck, state_bytes
 from .drive import drive
-from .knobs import Reads, check_microbatches, extensions, label, points, rank
+from .knobs import PIPELINE_KNOBS, Reads, check_microbatches, extensions, label, points, rank
 from .layouts import STAGE, Candidate, LayoutSpec, Rules, candidates
 from .prepare import Target, check_layouts, has_optimizer_state, prepare, resolve_target
 from .pruning import Schedule
@@ -156,27 +156,20 @@ def explore(
         excluded=set(early) | set(same),
     )
     compiled = drive(schedule, [(steps[p], chosen[c]) for c, p in units], progress)
-    plans: list[Plan] = []
+    by_unit: dict[int, Plan] = {**early, **compiled}
     for i, (c, p) in enumerate(units):
-        if i in early:
-            plans.append(early[i])
-        elif i in compiled:
-            plans.append(compiled[i])
-        elif i not in same:
-            plans.append(_pruned(schedule, i, steps[p], chosen[c], compiled))
-    for i in sorted(same):  # after the units whose programs they share
-        c, p = units[i]
-        shared = plans[same[i] - sum(1 for j in same if j < same[i])]
-        plans.append(dataclasses.replace(shared, knobs=dict(steps[p].knobs), source=steps[p]))
+        if i not in by_unit and i not in same:
+            by_unit[i] = _pruned(schedule, i, steps[p], chosen[c], compiled)
+    for i, first in same.items():  # the figures of the unit whose program it shares
+        step = steps[units[i][1]]
+        by_unit[i] = dataclasses.replace(
+            by_unit[first], knobs=dict(step.knobs), source=step, step=step.fun
+        )
+    plans = [by_unit[i] for i in range(len(units))]
     advice: list[Plan] = []
     if prune and not any(p.fits for p in plans) and reads & {"remat", "microbatches"}:
         advice = advise(build, plans, target, rules, tp_cache, reads)
     return Plans(plans, steps[0], target.title, advice=advice, space=space, planner=plan)
-
-
-PIPELINE_KNOBS = ("pipeline_microbatches", "pipeline_repeats")
-"""Knobs of the pipeline (`nnx_sharding.pipeline`): they change nothing without a
-``stage`` axis."""
 
 
 def same_programs(
