@@ -110,6 +110,7 @@ def test_the_pipeline_knobs_are_compiled_once_without_a_stage_axis(decoder_plans
     assert [p.knobs["pipeline_microbatches"] for p in fsdp] == [4, 8]
     assert fsdp[0].memory == fsdp[1].memory and fsdp[0].time == fsdp[1].time
     assert fsdp[0].label != fsdp[1].label
+    assert [p.source.knobs["pipeline_microbatches"] for p in fsdp] == [4, 8]
 
 
 def test_a_step_without_stacked_layers_gets_no_pipeline_candidates():
