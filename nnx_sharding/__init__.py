@@ -18,6 +18,8 @@ from ._jit import jit as jit
 from ._jit_partial.jit_partial import JitPartialWrapped as JitPartialWrapped
 from ._jit_partial.jit_partial import jit_partial as jit_partial
 from ._metadata import shard as shard
+from ._moe import MoE as MoE
+from ._moe import moe as moe
 from ._pipeline import pipeline as pipeline
 from ._shard_map import ShardMapFn as ShardMapFn
 from ._shard_map import shard_map as shard_map
@@ -36,6 +38,7 @@ __all__ = [
     "JitPartialWrapped",
     "JitWrapped",
     "Lowered",
+    "MoE",
     "ShardMapFn",
     "ShardingTable",
     "StateSharding",
@@ -46,6 +49,7 @@ __all__ = [
     "inspect_sharding",
     "jit",
     "jit_partial",
+    "moe",
     "pipeline",
     "plan",
     "shard",

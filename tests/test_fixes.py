@@ -101,6 +101,11 @@ def build(knobs):
 """
 
 # A stack of 8 layers, a mesh whose 'stage' axis has 4 devices, and nnx.scan's answer.
+MOE = """
+sizes = dict(experts=8, mlp=16, rngs=nnx.Rngs(0))
+x = jnp.ones((2, 12, 8))
+"""
+
 PIPELINE = """
 @nnx.split_rngs(splits=8)
 @nnx.vmap
@@ -1313,6 +1318,34 @@ CASES = [
         ValueError,
         check="close(y, reference)",
     ),
+    # --- MoE ----------------------------------------------------------------------------------
+    Case(
+        "moe_bad_k",
+        1,
+        MOE,
+        "nnx_sharding.MoE(8, k=9, **sizes)",
+        "k = 9\nlayer = nnx_sharding.MoE(8, k=min(k, 8), **sizes)",
+        ValueError,
+        check="assert layer(x)[0].shape == x.shape",
+    ),
+    Case(
+        "moe_bad_capacity",
+        1,
+        MOE,
+        "nnx_sharding.MoE(8, k=2, capacity_factor=0.01, **sizes)(x)",
+        "y, loss = nnx_sharding.MoE(8, k=2, capacity_factor=1.25, **sizes)(x)",
+        ValueError,
+        check="assert y.shape == x.shape",
+    ),
+    Case(
+        "moe_bad_grouped",
+        1,
+        MOE,
+        "nnx_sharding.MoE(8, k=2, grouped='sparse', **sizes)(x)",
+        "y, loss = nnx_sharding.MoE(8, k=2, grouped='ragged', **sizes)(x)",
+        ValueError,
+        check="assert y.shape == x.shape",
+    ),
 ]
 
 # Message builders whose fixes have no code to run (or only name an option or a value
@@ -1324,6 +1357,7 @@ PROSE = {
     "pipeline_layers_indivisible",
     "pipeline_microbatches_indivisible",
     "pipeline_mutates_stack",
+    "moe_experts_indivisible",  # names the axis sizes that divide the experts
     "static_graph_node",  # drop it from static_argnums
     "wrong_trace_level",  # use nnx.jit for the outer transform
     "state_sharding_at_leaf",
