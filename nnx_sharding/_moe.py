@@ -216,15 +216,16 @@ def _dropping(x, w, probs, chosen, *, capacity_factor: float, act: Callable) -> 
     onehot = jax.nn.one_hot(chosen, experts, dtype=jnp.int32)  # (b, s, k, e)
     # each assignment's place in its expert's queue: token order, a token's k in rank order
     place = jnp.cumsum(onehot.reshape(b, s * k, experts), axis=1).reshape(onehot.shape)
-    keep = onehot * (place <= c)
-    slot = jax.nn.one_hot(place - 1, c, dtype=x.dtype) * keep[..., None].astype(x.dtype)
-    dispatch = jnp.sum(slot, axis=2)  # (b, s, e, c): 0 or 1
-    combine = jnp.einsum("bskec,bsk->bsec", slot, probs.astype(x.dtype))
+    # a token takes an expert at most once: its place there (0: not chosen) and weight
+    place = jnp.sum(place * onehot, axis=2)  # (b, s, e)
+    weight = jnp.sum(onehot * probs[..., None], axis=2).astype(x.dtype)
+    dispatch = jax.nn.one_hot(jnp.where(place <= c, place, 0) - 1, c, dtype=x.dtype)
+    combine = dispatch * weight[..., None]  # (b, s, e, c); one_hot(-1) is all zeros
     batch = _axes(BATCH_AXES, b)
     inner = tuple(a for a in batch if a != EXPERT)
     ep = _axes((EXPERT,), experts)
     model = _axes(("model",), w["gate"].shape[-1])
-    tokens = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
+    tokens = _constrain(jnp.einsum("bsec,bsd->ebcd", dispatch, x), (), batch)  # local
     tokens = _constrain(tokens, ep, inner)  # batch's devices -> experts': an all-to-all
     h = act(jnp.einsum("ebcd,edf->ebcf", tokens, w["gate"]))
     h = _constrain(h * jnp.einsum("ebcd,edf->ebcf", tokens, w["up"]), ep, inner, (), model)
