@@ -32,8 +32,40 @@ DIMENSIONS = {
     "head_dim": "width of a head",
     "mlp": "width of the MLP",
     "vocab": "vocabulary size",
+    "experts": "experts of each layer's mixture-of-experts MLP (0: a dense MLP)",
+    "experts_per_token": "experts each token goes to (top-k)",
+    "expert_mlp": "width of each expert's MLP",
+    "shared_experts": "shared experts (every token goes through them)",
 }
 """The decoder's sizes the command overrides (``--d-model``, ...), by config field."""
+COUNTS = ("experts", "shared_experts")
+"""The sizes that may be 0."""
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number, 0 or more, got {text!r}")
+    return value
+
+
+def _capacity(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number such as 1.25, or none (dropless), got {text!r}"
+        )
+    return value
+
+
 MAX_DEVICES = 1024
 
 
@@ -126,7 +158,14 @@ def parser() -> argparse.ArgumentParser:
     )
     for field, text in DIMENSIONS.items():
         flag = "--" + field.replace("_", "-")
-        model.add_argument(flag, type=positive, dest=field, help=f"the decoder's {text}")
+        kind = _count if field in COUNTS else positive
+        model.add_argument(flag, type=kind, dest=field, help=f"the decoder's {text}")
+    model.add_argument(
+        "--capacity-factor",
+        type=_capacity,
+        default=argparse.SUPPRESS,
+        help="the experts' capacity factor (tokens past it dropped), or none: dropless",
+    )
     model.add_argument(
         "--gated",
         action=argparse.BooleanOptionalAction,
@@ -264,6 +303,8 @@ def _config(p: argparse.ArgumentParser, args: argparse.Namespace, devices: int) 
     wanted |= {"gated": args.gated, "tied": args.tied, "scan": args.scan}
     wanted |= {"param_dtype": args.param_dtype, "compute_dtype": args.compute_dtype}
     wanted = {k: v for k, v in wanted.items() if v is not None}
+    if "capacity_factor" in args:  # None (dropless) is a value here
+        wanted["capacity_factor"] = args.capacity_factor
     if missing := [k for k in wanted if k not in fields]:
         flags = ", ".join("--" + k.replace("_", "-") for k in missing)
         p.error(f"{flags}: the decoder has no such size; it has {', '.join(sorted(fields))}")
@@ -272,7 +313,10 @@ def _config(p: argparse.ArgumentParser, args: argparse.Namespace, devices: int) 
     wanted |= {"batch": batch, "seq_len": args.seq or config.seq_len}
     if "scan" in fields:  # layers scanned: each candidate compiles one layer
         wanted["scan"] = True
-    return dataclasses.replace(config, **wanted)
+    try:
+        return dataclasses.replace(config, **wanted)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def _run(

@@ -7,16 +7,17 @@ from .layout import divisors, format_message
 __all__ = ["moe_bad_capacity", "moe_bad_grouped", "moe_bad_k", "moe_experts_indivisible"]
 
 
-def moe_bad_k(k: object, experts: int) -> str:
+def moe_bad_k(k: object, experts: int, transform: str = "MoE", argument: str = "k") -> str:
     """Experts per token not an integer in ``1..experts``."""
     return format_message(
-        "MoE",
-        "k",
+        transform,
+        argument,
         [f"{k!r} experts per token, with {experts} experts"],
-        f"Rule: each token goes to k distinct experts, 1 <= k <= experts ({experts}).",
+        f"Rule: each token goes to {argument} distinct experts, 1 <= {argument} <= experts "
+        f"({experts}).",
         [
-            f"pass `k=min(k, {experts})` (Mixtral: 2 of 8; Qwen3-MoE: 8 of 128);",
-            "or build the layer with more experts.",
+            f"pass `{argument}=min({argument}, {experts})` (Mixtral: 2 of 8; Qwen3-MoE: 8 of 128);",
+            "or more experts.",
         ],
     )
 
@@ -33,10 +34,12 @@ def moe_bad_grouped(grouped: object) -> str:
     )
 
 
-def moe_bad_capacity(capacity_factor: object, seq: int, experts: int, k: int) -> str:
+def moe_bad_capacity(
+    capacity_factor: object, seq: int, experts: int, k: int, transform: str = "MoE"
+) -> str:
     """A capacity factor that is not positive, or so small that every token is dropped."""
     return format_message(
-        "MoE",
+        transform,
         "capacity_factor",
         [
             f"{capacity_factor!r} with {seq} tokens per sequence, {experts} experts and "

@@ -237,3 +237,43 @@ def test_when_nothing_fits_the_command_says_which_knobs_would(capsys):
     assert (
         "1. search remat='full': compiled beyond the space searched, fsdp (fsdp=8; remat=full) fits"
     ) in out
+
+
+def test_the_mixture_of_experts_sizes_can_be_given(capsys, tmp_path):
+    """``--experts`` and friends make the tiny decoder's MLP a mixture of experts; its
+    model FLOPs count the active parameters (MaxText's count)."""
+    import dataclasses
+    import json
+
+    from nnx_sharding.plan._decoder.configs import DECODER_CONFIGS
+
+    path = tmp_path / "plans.json"
+    argv = ["--config", "tiny", "--devices", "8", "--accelerator", "cpu", "--layouts", "fsdp"]
+    argv += ["--experts", "4", "--experts-per-token", "2", "--expert-mlp", "64"]
+    status = main(
+        [*argv, "--shared-experts", "1", "--capacity-factor", "1.25", "--json", str(path)]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    c = dataclasses.replace(
+        DECODER_CONFIGS["tiny"], experts=4, expert_mlp=64, shared_experts=1,
+        capacity_factor=1.25, batch=8,
+    )  # fmt: skip
+    assert f"planning tiny ({c.param_count():,} parameters" in out
+    (plan,) = json.loads(path.read_text())["plans"]
+    assert plan["model_flops"] == c.model_flops() / 8 and plan["compiled"]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--capacity-factor", "lots"], "expected a positive number such as 1.25, or none"),
+        (["--experts", "-1"], "expected a whole number, 0 or more"),
+        (["--experts", "4", "--experts-per-token", "9"], "experts_per_token: 9 experts per"),
+    ],
+)
+def test_a_bad_expert_option_is_an_error_and_status_2(option, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--config", "tiny", "--devices", "8", "--accelerator", "cpu", *option])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 
 from ... import _errors
+from ..._moe import capacity
 from .attention import ATTENTION
 from .remat import REMAT_POLICIES
 
@@ -67,6 +68,19 @@ class DecoderConfig:
     pipeline_repeats: int = 1
     """Under a mesh with a ``stage`` axis, the rounds each microbatch makes through the
     stages (1: GPipe; more: the circular schedule)."""
+    experts: int = 0
+    """Experts of each layer's mixture-of-experts MLP (`nnx_sharding.moe`); 0: a dense MLP.
+    The router's load-balancing loss is not added to the step's loss: what it costs is
+    a reduction of the router's probabilities (MaxText's default weight for it is 0)."""
+    experts_per_token: int = 2
+    """The experts each token goes to (top-k), with ``experts``."""
+    expert_mlp: int | None = None
+    """Each expert's hidden width; None: ``mlp``."""
+    shared_experts: int = 0
+    """Shared experts (every token goes through them), as one SwiGLU ``shared_experts ·
+    expert_mlp`` wide."""
+    capacity_factor: float | None = None
+    """The dropping path's capacity factor (`nnx_sharding.MoE`); None: dropless."""
 
     def __post_init__(self) -> None:
         for field in ("vocab", "d_model", "heads", "head_dim", "mlp", "layers", "batch",
@@ -74,7 +88,7 @@ class DecoderConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(_errors.decoder_bad_size(field, value))
-        for field in ("pipeline_microbatches", "pipeline_repeats"):
+        for field in ("pipeline_microbatches", "pipeline_repeats", "expert_mlp"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(_errors.decoder_bad_size(field, value))
@@ -83,6 +97,7 @@ class DecoderConfig:
                 raise ValueError(_errors.decoder_bad_size("kv_heads", self.kv_heads))
             if self.heads % self.kv_heads:
                 raise ValueError(_errors.decoder_bad_kv_heads(self.kv_heads, self.heads))
+        self._check_experts()
         choices = {
             "activation": list(ACTIVATIONS),
             "param_dtype": DTYPES,
@@ -95,24 +110,61 @@ class DecoderConfig:
             if value not in allowed:
                 raise ValueError(_errors.decoder_bad_choice("DecoderConfig", field, value, allowed))
 
+    def _check_experts(self) -> None:
+        for field in ("experts", "shared_experts"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(_errors.decoder_bad_size(field, value))
+        if not self.experts:
+            return
+        k = self.experts_per_token
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.experts:
+            raise ValueError(
+                _errors.moe_bad_k(k, self.experts, "DecoderConfig", "experts_per_token")
+            )
+        cf = self.capacity_factor
+        bad = not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf <= 0
+        if cf is not None and (bad or capacity(self.seq_len, self.experts, k, cf) < 1):
+            raise ValueError(
+                _errors.moe_bad_capacity(cf, self.seq_len, self.experts, k, "DecoderConfig")
+            )
+
+    @property
+    def moe_mlp(self) -> int:
+        """Each expert's hidden width: ``expert_mlp``, else ``mlp``."""
+        return self.mlp if self.expert_mlp is None else self.expert_mlp
+
     @property
     def kv(self) -> int:
         """Key and value heads: ``kv_heads``, else ``heads``."""
         return self.heads if self.kv_heads is None else self.kv_heads
 
-    def param_count(self) -> int:
+    def param_count(self, *, active: bool = False) -> int:
         """Parameters, counted from the sizes: embedding (and head unless tied), per
-        layer q, k, v, o, the MLP's 2 or 3 matrices and 1 or 2 norm scales, the final
-        norm."""
+        layer q, k, v, o, the MLP's 2 or 3 matrices (with experts: the router, every
+        expert's 3 and the shared experts') and 1 or 2 norm scales, the final norm.
+        ``active``: those a token uses (the router, its ``experts_per_token`` experts
+        and the shared ones, not the other experts).
+
+        >>> c = DECODER_CONFIGS['mixtral-8x7b']
+        >>> round(c.param_count() / 1e9, 2), round(c.param_count(active=True) / 1e9, 2)
+        (46.7, 12.88)
+        """
         d = self.d_model
         attention = 2 * d * self.heads * self.head_dim + 2 * d * self.kv * self.head_dim
-        block = attention + (3 if self.gated else 2) * d * self.mlp
-        block += (1 if self.parallel_block else 2) * d
+        if self.experts:
+            used = self.experts_per_token if active else self.experts
+            mlp = d * self.experts + 3 * d * self.moe_mlp * (used + self.shared_experts)
+        else:
+            mlp = (3 if self.gated else 2) * d * self.mlp
+        block = attention + mlp + (1 if self.parallel_block else 2) * d
         return (1 if self.tied else 2) * self.vocab * d + self.layers * block + d
 
     def model_flops(self) -> float:
         """The training FLOPs of one step, all devices together, as MaxText counts
-        them: ``6·N·tokens`` (N every parameter, embeddings included) plus causal
+        them: ``6·N·tokens`` (N every parameter, embeddings included; with experts the
+        active ones, `param_count`: the router and the top-k experts' matmuls, as
+        MaxText counts an MoE step, capacity ignored) plus causal
         attention, ``6·heads·layers·head_dim·seq²·batch`` (the ``12·…`` of
         ``QKᵀ`` and ``PV``, forward and backward, halved for the mask). Per device:
         this divided by the device count.
@@ -123,11 +175,14 @@ class DecoderConfig:
         """
         tokens = self.batch * self.seq_len
         attention = 6 * self.heads * self.layers * self.head_dim * self.seq_len**2 * self.batch
-        return float(6 * self.param_count() * tokens + attention)
+        return float(6 * self.param_count(active=True) * tokens + attention)
 
 
 _LLAMA3 = {"vocab": 128256, "kv_heads": 8, "rope_theta": 500000.0, "seq_len": 8192}
 _LEGACY = {"gated": False, "activation": "gelu", "norm_eps": 1e-6, "scan": False}
+_MIXTRAL = {"experts_per_token": 2, "rope_theta": 1e6, "seq_len": 4096}
+_QWEN3_MOE = {"experts": 128, "experts_per_token": 8, "rope_theta": 1e6, "norm_eps": 1e-6,
+              "seq_len": 4096}  # fmt: skip
 
 DECODER_CONFIGS: dict[str, DecoderConfig] = {
     c.name: c
@@ -160,15 +215,52 @@ DECODER_CONFIGS: dict[str, DecoderConfig] = {
             tied=True,
             parallel_block=True,
         ),  # fmt: skip
+        DecoderConfig(
+            "mixtral-8x7b",
+            32000,
+            4096,
+            32,
+            128,
+            14336,
+            32,
+            kv_heads=8,
+            experts=8,
+            **_MIXTRAL,
+        ),  # fmt: skip
+        DecoderConfig(
+            "mixtral-8x22b",
+            32768,
+            6144,
+            48,
+            128,
+            16384,
+            56,
+            kv_heads=8,
+            experts=8,
+            **_MIXTRAL,
+        ),  # fmt: skip
+        DecoderConfig(
+            "qwen3-30b-a3b", 151936, 2048, 32, 128, 768, 48, kv_heads=4, **_QWEN3_MOE
+        ),  # fmt: skip
+        DecoderConfig(
+            "qwen3-235b-a22b", 151936, 4096, 64, 128, 1536, 94, kv_heads=4, **_QWEN3_MOE
+        ),  # fmt: skip
     )
 }
 """The named configs. Published models, with their published dimensions: ``llama2-7b``
 (6.74B parameters), ``llama3-8b`` (8.03B), ``llama3-70b`` (70.6B), ``llama3-405b``
 (405.9B); ``maxtext-32b``, MaxText's synthetic 32B of its v5p runs (32.55B: width 10240,
 32 heads of 256, a two-matrix ReLU MLP of 32768, attention and MLP in parallel, tied
-embeddings of 32768). For sizing (``python -m nnx_sharding aot``'s, unrolled, a GELU
-two-matrix MLP): ``tiny`` (docs, tests), ``1b`` (1.04B, 18 layers of width 2048) and
-``1b-wide`` (1.07B, 4 layers of width 4096: compiles several times faster)."""
+embeddings of 32768). Mixtures of experts (every layer's MLP, top-k routed SwiGLU
+experts; `DecoderConfig.param_count` counts them all, ``active=True`` those a token
+uses): ``mixtral-8x7b`` (46.70B, 12.88B active: 8 experts of 14336, top 2),
+``mixtral-8x22b`` (140.6B, 39.2B active; MaxText's vocabulary of 32768),
+``qwen3-30b-a3b`` (30.5B, 3.35B active: 128 experts of 768, top 8) and
+``qwen3-235b-a22b`` (235.1B, 22.2B active: 128 of 1536, top 8); dropless unless
+``capacity_factor`` is set, Qwen3's query and key norms left out. For sizing
+(``python -m nnx_sharding aot``'s, unrolled, a GELU two-matrix MLP): ``tiny`` (docs,
+tests), ``1b`` (1.04B, 18 layers of width 2048) and ``1b-wide`` (1.07B, 4 layers of
+width 4096: compiles several times faster)."""
 
 LOGICAL_AXES = {
     "layers": "stage",

@@ -1,7 +1,8 @@
 """The planner's decoder-only transformer: its configs, layers, loss and training step.
 
 A decoder as people train them today: RMSNorm, rotary position embeddings, a SwiGLU
-(gated, three matrices) or plain two-matrix MLP, grouped-query attention (``kv_heads``),
+(gated, three matrices), plain two-matrix or mixture-of-experts MLP
+(`nnx_sharding.moe`: top-k routed SwiGLU experts), grouped-query attention (``kv_heads``),
 optional tied embeddings, attention and MLP in sequence or in parallel off one norm,
 float32 parameters with bfloat16 compute. Its layers are stacked and scanned
 (``nnx.scan``), each rematerialized by a named policy (``nnx.remat``, `REMAT_POLICIES`).
@@ -20,6 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from ..._moe import NAMES as MOE_NAMES
+from ..._moe import moe, moe_shapes
 from ..._pipeline import pipeline, stage_count
 from .activation_sharding import constrain_activation as constrain
 from .attention import causal_attention
@@ -68,6 +71,9 @@ def _block_shapes(c: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[st
     shapes |= {"wk": kv, "wv": kv, "wo": ((h, k, d), ("heads", None, "embed"))}
     if not c.parallel_block:
         shapes["mlp_norm"] = ((d,), (None,))
+    if c.experts:  # a mixture of experts: `nnx_sharding.MoE`'s weights and names
+        moe = moe_shapes(d, c.experts, c.moe_mlp, c.shared_experts)
+        return shapes | {n: (shape, MOE_NAMES[n]) for n, shape in moe.items()}
     if c.gated:
         shapes["gate"] = ((d, f), ("embed", "mlp"))
     return shapes | {"up": ((d, f), ("embed", "mlp")), "down": ((f, d), ("mlp", "embed"))}
@@ -76,15 +82,22 @@ def _block_shapes(c: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[st
 def _attention(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array], rope: Any) -> jax.Array:
     heads = ("activation_batch", "activation_length", "activation_heads", None)
     kv_heads = ("activation_batch", "activation_length", "activation_kv_heads", None)
-    q = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wq"]), heads)
-    k = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wk"]), kv_heads)
-    v = constrain(jnp.einsum("bsd,dhk->bshk", h, w["wv"]), kv_heads)
+    q = checkpoint_name(jnp.einsum("bsd,dhk->bshk", h, w["wq"]), "query_proj")
+    k = checkpoint_name(jnp.einsum("bsd,dhk->bshk", h, w["wk"]), "key_proj")
+    v = checkpoint_name(jnp.einsum("bsd,dhk->bshk", h, w["wv"]), "value_proj")
+    q, k, v = constrain(q, heads), constrain(k, kv_heads), constrain(v, kv_heads)
     out = causal_attention(_rotate(q, rope), _rotate(k, rope), v, c.attention)
     out = constrain(checkpoint_name(out, "context"), heads)
-    return jnp.einsum("bshk,hkd->bsd", out, w["wo"])
+    return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, w["wo"]), "out_proj")
 
 
 def _mlp(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    if c.experts:  # the router's loss is left out: see DecoderConfig.experts
+        names = ("router", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
+        weights = {n: w[n] for n in names if n in w}
+        y, _ = moe(h, weights, c.experts_per_token, capacity_factor=c.capacity_factor,
+                   activation=ACTIVATIONS[c.activation])  # fmt: skip
+        return y
     a = ACTIVATIONS[c.activation](h @ w["gate" if c.gated else "up"])
     if c.gated:
         a = a * (h @ w["up"])
@@ -95,6 +108,7 @@ def _block(c: DecoderConfig, x: jax.Array, w: dict[str, jax.Array], rope: Any) -
     """One layer on the residual stream ``x`` (batch, seq, d_model)."""
     dtype = jnp.dtype(c.compute_dtype)
     w = {n: a if n.endswith("norm") else a.astype(dtype) for n, a in w.items()}
+    x = checkpoint_name(x, "decoder_layer_input")
     h = _rms_norm(x, w["attn_norm"], c.norm_eps)
     if c.parallel_block:
         x = x + _attention(c, h, w, rope) + _mlp(c, h, w)

@@ -10,6 +10,19 @@ import jax
 from ... import _errors
 
 _dots = jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+OFFLOADED = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj")
+"""The activations the decoder names as MaxText names them (``checkpoint_name``), which
+``offload_qkv`` moves to the host."""
+
+
+def _offload(*names: str) -> Callable[..., Any]:
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(names),
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
 
 REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "none": None,
@@ -17,12 +30,17 @@ REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "dots_with_context": jax.checkpoint_policies.save_from_both_policies(
         _dots, jax.checkpoint_policies.save_only_these_names("context")
     ),
+    "offload_qkv": _offload(*OFFLOADED),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 """What each block keeps for the backward pass: ``none``, everything (no remat);
 ``dots``, the outputs of its weight matmuls (``checkpoint_dots_with_no_batch_dims``:
 MaxText's ``minimal``); ``dots_with_context``, those and the attention's output, named
-``'context'`` (MaxText's ``minimal_flash``); ``full``, only the block's input."""
+``'context'`` (MaxText's ``minimal_flash``); ``offload_qkv``, the block's input and its
+query, key, value and output projections moved to the host's memory and brought back
+for the backward pass, the rest recomputed (MaxText's ``custom`` policy with those five
+names set to ``offload``, as its Mixtral runs on v6e use it); ``full``, only the
+block's input."""
 
 
 def remat_policy(name: str) -> Callable[..., Any] | None:

@@ -33,7 +33,15 @@ PUBLISHED = {  # billions of parameters, to the digits the models' papers and ca
     "llama3-70b": "70.6",
     "llama3-405b": "405.9",
     "maxtext-32b": "32.55",
+    "mixtral-8x7b": "46.7",
+    "mixtral-8x22b": "141",
+    "qwen3-30b-a3b": "30.5",
+    "qwen3-235b-a22b": "235",
 }
+ACTIVE = {"mixtral-8x7b": "12.9", "mixtral-8x22b": "39", "qwen3-30b-a3b": "3",
+          "qwen3-235b-a22b": "22"}  # fmt: skip
+"""Parameters a token uses, as the models' papers and cards give them (Qwen3's 30B: "3.3B
+activated"; the decoder counts 3.35B, Qwen3's query and key norms left out)."""
 
 
 def abstract(config: DecoderConfig) -> Decoder:
@@ -69,6 +77,37 @@ def test_the_named_configs_have_the_published_parameter_counts(name):
     assert counted(model) == config.param_count()
     digits = len(PUBLISHED[name].partition(".")[2])
     assert f"{config.param_count() / 1e9:.{digits}f}" == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", list(ACTIVE))
+def test_mixtures_of_experts_count_the_active_parameters_in_their_flops(name):
+    c = DECODER_CONFIGS[name]
+    digits = len(ACTIVE[name].partition(".")[2])
+    assert f"{c.param_count(active=True) / 1e9:.{digits}f}" == ACTIVE[name]
+    d, f, e, k = c.d_model, c.moe_mlp, c.experts, c.experts_per_token
+    # MaxText's count: the top-k experts' three matmuls and the router, not the others
+    unused = c.layers * 3 * d * f * (e - k)
+    assert c.param_count(active=True) == c.param_count() - unused
+    tokens = c.batch * c.seq_len
+    attention = 6 * c.heads * c.layers * c.head_dim * c.seq_len**2 * c.batch
+    assert c.model_flops() == 6 * c.param_count(active=True) * tokens + attention
+
+
+def test_one_expert_of_one_is_the_dense_gated_mlp():
+    """With one expert, top-1 and renormalised weights, the MoE decoder is the dense
+    SwiGLU decoder whose MLP is that expert."""
+    dense = dataclasses.replace(SMALL, gated=True, activation="silu")
+    moe = dataclasses.replace(dense, experts=1, experts_per_token=1)
+    model, reference = make(moe), make(dense)
+    for name in ("gate", "up", "down"):
+        getattr(reference.layers, name).set_value(getattr(model.layers, name)[...][:, 0])
+    for name, var in vars(reference.layers).items():
+        if isinstance(var, nnx.Param) and name not in ("gate", "up", "down"):
+            var.set_value(getattr(model.layers, name)[...])
+    for name in ("embed", "final_norm", "head"):
+        getattr(reference, name).set_value(getattr(model, name)[...])
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, SMALL.vocab)
+    np.testing.assert_allclose(forward(model, tokens), forward(reference, tokens), atol=2e-5)
 
 
 def test_the_llama_configs_have_the_published_dimensions():
@@ -303,7 +342,7 @@ def test_the_builder_gives_the_step_its_abstract_arguments_and_model_flops():
          "(its divisors: 1, 2)"),
         (lambda: decoder_builder(SMALL)({"remat": "everything"}),
          "DecoderConfig: remat: 'everything' is not one of 'none', 'dots', "
-         "'dots_with_context', 'full'"),
+         "'dots_with_context', 'offload_qkv', 'full'"),
         (lambda: dataclasses.replace(SMALL, kv_heads=3),
          "DecoderConfig: kv_heads: 3 does not divide heads=4"),
         (lambda: dataclasses.replace(SMALL, activation="tanh"),
@@ -313,8 +352,13 @@ def test_the_builder_gives_the_step_its_abstract_arguments_and_model_flops():
          "'cudnn', 'triton'"),
         (lambda: dataclasses.replace(SMALL, layers=0),
          "DecoderConfig: layers: 0 is not a positive integer"),
+        (lambda: dataclasses.replace(SMALL, experts=4, capacity_factor=0.0),
+         "DecoderConfig: capacity_factor: 0.0 is not a positive number"),
+        (lambda: dataclasses.replace(SMALL, experts=4, experts_per_token=5),
+         "DecoderConfig: experts_per_token: 5 experts per token, with 4 experts"),
         (lambda: nnx_sharding.plan.remat_policy("dot"),
-         "remat_policy: name: 'dot' is not one of 'none', 'dots', 'dots_with_context', 'full'"),
+         "remat_policy: name: 'dot' is not one of 'none', 'dots', 'dots_with_context', "
+         "'offload_qkv', 'full'"),
     ],
 )  # fmt: skip
 def test_bad_knobs_and_configs_name_the_value_then_the_fixes(call, message):
