@@ -39,6 +39,9 @@ class Step:
     stage: dict[int, dict[Path, P] | None] = dataclasses.field(default_factory=dict)
     """The layer dimension's spec over ``stage`` per graph-node argument, from the
     Variables' metadata (empty: no pipeline candidate can be built)."""
+    expert: dict[int, dict[Path, P] | None] = dataclasses.field(default_factory=dict)
+    """The experts dimension's spec over ``expert`` per graph-node argument, from the
+    Variables' metadata (empty: no expert-parallel candidate can be built)."""
 
     @property
     def batch(self) -> int | None:

@@ -3,9 +3,10 @@
 The decoder says how each activation is laid out by name (``activation_batch``,
 ``activation_embed``, ...), as MaxText's ``logical_axis_rules`` do; each candidate of
 the planner binds the names to its own axes, since it traces the step under
-``jax.set_mesh(mesh)``. The batch goes over the data-parallel axes (``data``, ``fsdp``)
-and, under tensor parallelism, the residual stream between blocks over ``model``
-(MaxText's ``activation_embed``, Megatron's sequence parallelism): without that, a
+``jax.set_mesh(mesh)``. The batch goes over the data-parallel axes (``data``, ``fsdp``,
+``expert``, as MaxText's) and, under tensor parallelism, the residual stream between
+blocks over ``model`` (MaxText's ``activation_embed``, Megatron's sequence parallelism):
+without that, a
 tensor-parallel layout holds full-width activations on every device, and its memory is
 wrong by the TP degree. Without a mesh the names do nothing.
 """
@@ -19,7 +20,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 ACTIVATION_RULES: Mapping[str, tuple[str, ...]] = {
-    "activation_batch": ("data", "fsdp"),
+    "activation_batch": ("data", "fsdp", "expert"),
     "activation_length": (),
     "activation_embed": ("model",),
     "activation_heads": ("model",),

@@ -264,6 +264,7 @@ width 4096: compiles several times faster)."""
 
 LOGICAL_AXES = {
     "layers": "stage",
+    "experts": "expert",
     "batch": "data",
     "embed": "data",
     "heads": "model",
@@ -273,17 +274,22 @@ LOGICAL_AXES = {
 """Logical axis -> mesh axis for ``python -m nnx_sharding aot``: FSDP shards the
 ``embed`` dimension of every matrix over ``data`` (and the batch with it), tensor
 parallelism splits heads, MLP units and the vocabulary over ``model``; the stacked layers
-go over ``stage`` where the mesh has one."""
+go over ``stage`` and a Mixture-of-Experts layer's experts over ``expert`` where the mesh
+has them."""
 
 DECODER_RULES: tuple[tuple[str, str | None], ...] = (
     ("layers", "stage"),
+    ("experts", "expert"),
     ("heads", "model"),
     ("kv_heads", "model"),
     ("mlp", "model"),
     ("vocab", "model"),
+    ("expert_mlp", "model"),
     ("embed", None),
 )
 """The parameters' logical axes for `plan`'s ``rules``: tensor parallelism splits query
 heads, key/value heads (named ``kv_heads`` under grouped-query attention, ``heads``
 without it), MLP units and the vocabulary over ``model``; pipeline parallelism splits
-the stacked layers over ``stage``; FSDP picks each Variable's largest dimension itself."""
+the stacked layers over ``stage``; expert parallelism splits a Mixture-of-Experts layer's
+stacked experts (``experts``) over ``expert``, tensor parallelism each expert's MLP units
+(``expert_mlp``) over ``model``; FSDP picks each Variable's largest dimension itself."""

@@ -24,7 +24,7 @@ from .._hardware.devices import mesh_in_order
 from .._hardware.stderr import offset, since
 from .._plan import Plan, bind
 from .._step import Step
-from .layouts import DATA_AXES, STAGE, Candidate, data_spec, node_specs
+from .layouts import DATA_AXES, EXPERT, STAGE, Candidate, data_spec, node_specs
 
 
 def in_shardings(step: Step, candidate: Candidate) -> tuple[tuple[Any, ...], list[str]]:
@@ -38,7 +38,12 @@ def in_shardings(step: Step, candidate: Candidate) -> tuple[tuple[Any, ...], lis
             entries.append(None)
         elif i in step.variables:
             specs, wrong = node_specs(
-                candidate, step.variables[i], step.tp.get(i), where, step.stage.get(i)
+                candidate,
+                step.variables[i],
+                step.tp.get(i),
+                where,
+                step.stage.get(i),
+                step.expert.get(i),
             )
             problems += wrong
             entries.append(StateSharding([(AtPath(p), s) for p, s in specs.items()]))
@@ -86,6 +91,12 @@ NO_STAGES = (
     "no Variable names a layer dimension to split over 'stage' (a pipeline runs a stack "
     "of layers with nnx_sharding.pipeline; its Variables' metadata names the stacked "
     "dimension, which the rules map to 'stage')"
+)
+
+NO_EXPERTS = (
+    "no Variable names an experts dimension to split over 'expert' (a Mixture-of-Experts "
+    "layer stacks its experts' weights; their metadata names the experts dimension, which "
+    "the rules map to 'expert')"
 )
 
 
@@ -137,12 +148,15 @@ def listed(step: Step, candidate: Candidate, specs: Any = (), **fields: Any) -> 
 
 def precheck(step: Step, candidate: Candidate, prune: bool | str) -> Plan | None:
     """``candidate``'s plan when it is listed without compiling (shapes that do not
-    divide, no tensor-parallel split, and with ``prune`` a state above the limit)."""
+    divide, no tensor-parallel split, no stacked layers for ``stage`` or experts for
+    ``expert``, and with ``prune`` a state above the limit)."""
     specs, problems = in_shardings(step, candidate)
     if step.tp_problem is not None and "model" in candidate.mesh_shape:
         return listed(step, candidate, specs, reason=step.tp_problem)
     if STAGE in candidate.mesh_shape and not step.stage:
         return listed(step, candidate, specs, reason=NO_STAGES)
+    if EXPERT in candidate.mesh_shape and not step.expert:
+        return listed(step, candidate, specs, reason=NO_EXPERTS)
     count, batch, size = step.knobs.get("microbatches"), step.batch, candidate.data_parallel
     if count and batch and not problems and (batch // count) % size:
         named = ",".join(

@@ -14,15 +14,19 @@ A layout is a rule per Variable:
 - ``pp`` and ``pp+...``: pipeline parallelism, the stacked layers' layer dimension over
   ``stage`` (where the Variables' metadata names it, through the rules: the step runs
   them with `nnx_sharding.pipeline`), the other layouts' rules inside each stage.
+- ``ep`` and ``...+ep``: expert parallelism for Mixture-of-Experts models, the stacked
+  experts' dimension over ``expert`` (where the Variables' metadata names it, through
+  the rules), the other layouts' rules on the rest; ``expert`` splits the batch too.
 
 Data arguments (arrays) have their leading dimension split over the data-parallel
-axes (``data``, ``fsdp``); with neither (``tp``) they are replicated.
+axes (``data``, ``fsdp``, ``expert``); with none of them (``tp``) they are replicated.
 
-Mesh axes are in the order ``data``, ``stage``, ``fsdp``, ``model``: the devices are
-laid out node by node (`_hardware.devices.order_devices`), so the innermost axes sit
-inside a node (a GPU host, a TPU slice) and ``data`` and ``stage`` span the nodes: the
-data-parallel reduction crosses the slower network once per step, the pipeline's
-activations once per microbatch and stage.
+Mesh axes are in the order ``data``, ``stage``, ``fsdp``, ``expert``, ``model``: the
+devices are laid out node by node (`_hardware.devices.order_devices`), so the innermost
+axes sit inside a node (a GPU host, a TPU slice) and ``data`` and ``stage`` span the
+nodes: the data-parallel reduction crosses the slower network once per step, the
+pipeline's activations once per microbatch and stage; ``expert``, next to ``model``,
+keeps the all-to-alls of an MoE step (its heaviest traffic) inside a node first.
 """
 
 from __future__ import annotations
@@ -53,14 +57,23 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "pp+tp": ("stage", "model"),
     "pp+fsdp+tp": ("stage", "fsdp", "model"),
     "dp+pp+fsdp": ("data", "stage", "fsdp"),
+    "ep": ("expert",),
+    "fsdp+ep": ("fsdp", "expert"),
+    "dp+ep": ("data", "expert"),
+    "dp+fsdp+ep": ("data", "fsdp", "expert"),
+    "fsdp+tp+ep": ("fsdp", "expert", "model"),
 }
-"""Each layout's mesh axes, in mesh order (``model`` innermost: inside a node)."""
+"""Each layout's mesh axes, in mesh order (``model`` innermost: inside a node, then
+``expert``)."""
 STAGE = "stage"
 """The pipeline's mesh axis (`nnx_sharding.pipeline`'s default)."""
+EXPERT = "expert"
+"""Expert parallelism's mesh axis: a Mixture-of-Experts layer's experts split over it."""
 LayoutSpec: TypeAlias = "str | tuple[str, Mapping[str, int]]"
 """A layout on every split (``'fsdp+tp'``) or one exact candidate
 (``('fsdp+tp', {'fsdp': 16, 'model': 4})``)."""
-DATA_AXES = ("data", "fsdp")
+DATA_AXES = ("data", "fsdp", "expert")
+"""The axes the batch is split over, in mesh order (MaxText's ``activation_batch``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +188,10 @@ def metadata_tp(
     variables: Sequence[tuple[Path, nnx.Variable]], rules: Rules | None, axis: str = "model"
 ) -> dict[Path, P] | None:
     """Specs over one mesh ``axis`` (tensor parallelism's ``model``, the pipeline's
-    ``stage``) from the Variables' sharding metadata (``out_sharding``), logical names
-    mapped by ``rules`` (names taken as mesh axes without rules); only ``axis`` is kept.
-    None when no Variable's metadata names ``axis``."""
+    ``stage``, expert parallelism's ``expert``) from the Variables' sharding metadata
+    (``out_sharding``), logical names mapped by ``rules`` (names taken as mesh axes
+    without rules); only ``axis`` is kept. None when no Variable's metadata names
+    ``axis``."""
     mapping = None if rules is None else dict(rules)
     out: dict[Path, P] = {}
     for path, var in variables:
@@ -220,9 +234,12 @@ def node_specs(
     tp: Mapping[Path, P] | None,
     where: str,
     stage: Mapping[Path, P] | None = None,
+    expert: Mapping[Path, P] | None = None,
 ) -> tuple[dict[Path, P], list[str]]:
     """Each Variable's PartitionSpec under ``candidate``, and the problems found
-    (a tensor-parallel or pipeline split its dimension does not divide)."""
+    (a tensor-parallel, pipeline or expert split its dimension does not divide).
+    ``tp``, ``stage`` and ``expert``: the specs over ``model``, ``stage`` and
+    ``expert`` (`metadata_tp`); FSDP then takes the largest free dimension."""
     mesh = candidate.mesh_shape
     layout = candidate.layout
     specs: dict[Path, P] = {}
@@ -230,7 +247,7 @@ def node_specs(
     for path, var in variables:
         shape = _shape(var)
         spec: tuple = (None,) * len(shape)
-        for axis, given in ((STAGE, stage), ("model", tp)):
+        for axis, given in ((STAGE, stage), (EXPERT, expert), ("model", tp)):
             if axis not in mesh or given is None or path not in given:
                 continue
             entries = tuple(given[path]) + (None,) * (len(shape) - len(given[path]))

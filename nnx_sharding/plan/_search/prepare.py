@@ -23,6 +23,7 @@ from .._cost.model import parse_bytes
 from .._hardware.accelerators import Accelerator
 from .._step import Step
 from .layouts import (
+    EXPERT,
     LAYOUTS,
     STAGE,
     Candidate,
@@ -130,10 +131,7 @@ def prepare(
             tp_cache[key] = _tensor_parallel(fun, shapes, static, variables, rules)
         tp, tp_problem = tp_cache[key]
     every = [pair for pairs in variables.values() for pair in pairs]
-    stacked = metadata_tp(every, rules, STAGE)
-    stage: dict[int, dict[Path, P] | None] = {}
-    if stacked is not None:
-        stage = {i: mirror(stacked, p) for i, p in variables.items()}
+    stage, expert = (_axis_specs(every, variables, rules, axis) for axis in (STAGE, EXPERT))
     return Step(
         fun=fun,
         args=shapes,
@@ -152,7 +150,23 @@ def prepare(
         num_slices=target.num_slices,
         tp_problem=tp_problem,
         stage=stage,
+        expert=expert,
     )
+
+
+def _axis_specs(
+    every: Sequence[tuple[Path, nnx.Variable[Any]]],
+    variables: dict[int, list[tuple[Path, nnx.Variable[Any]]]],
+    rules: Rules | None,
+    axis: str,
+) -> dict[int, dict[Path, P] | None]:
+    """The specs over ``axis`` (``stage``, ``expert``) per graph-node argument, from the
+    Variables' metadata through ``rules``, the optimizer state mirroring its parameters;
+    empty when no Variable's metadata names ``axis``."""
+    found = metadata_tp(every, rules, axis)
+    if found is None:
+        return {}
+    return {i: mirror(found, pairs) for i, pairs in variables.items()}
 
 
 def abstract_args(args: Sequence[Any], static: frozenset[int]) -> tuple[Any, ...]:

@@ -24,7 +24,7 @@ from .._step import Step
 from .compile import compile_candidate, in_shardings, listed, precheck, state_bytes
 from .drive import drive
 from .knobs import PIPELINE_KNOBS, Reads, check_microbatches, extensions, label, points, rank
-from .layouts import STAGE, Candidate, LayoutSpec, Rules, candidates
+from .layouts import EXPERT, STAGE, Candidate, LayoutSpec, Rules, candidates
 from .prepare import Target, check_layouts, has_optimizer_state, prepare, resolve_target
 from .pruning import Schedule
 
@@ -141,6 +141,8 @@ def explore(
         chosen = [c for c in chosen if c.layout != "zero1"]
     if given is None and not steps[0].stage:  # no stacked layers: no pipeline
         chosen = [c for c in chosen if STAGE not in c.mesh_shape]
+    if given is None and not steps[0].expert:  # no experts' weights: no expert parallelism
+        chosen = [c for c in chosen if EXPERT not in c.mesh_shape]
     units = [(c, p) for c in range(len(chosen)) for p in range(len(steps))]
     early = {}
     for i, (c, p) in enumerate(units):
