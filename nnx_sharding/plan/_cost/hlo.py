@@ -298,7 +298,8 @@ def _brace_block(text: str, start: int) -> str:
 
 def replica_groups(rest: str, devices: int) -> tuple[tuple[int, ...], ...]:
     """The replica groups of an instruction, in any of HLO's three forms: explicit
-    ``{{0,1},{2,3}}``, iota ``[2,2]<=[2,2]T(1,0)``, or ``mesh['axis_0'=2,...] {'axis_1'}``.
+    ``{{0,1},{2,3}}``, iota ``[2,2]<=[2,2]T(1,0)``, or ``mesh['axis_0'=2,...] {'axis_1'}``
+    (its devices reordered where it gives ``device_ids``).
     None given (``{}``) means one group of every device."""
     if "source_target_pairs=" in rest:
         start = rest.index("source_target_pairs=") + len("source_target_pairs=")
@@ -311,7 +312,7 @@ def replica_groups(rest: str, devices: int) -> tuple[tuple[int, ...], ...]:
         sizes = [int(s) for s in re.findall(r"'[^']*'=(\d+)", text[: text.index("]")])]
         names = re.findall(r"'([^']*)'=", text[: text.index("]")])
         spanned = re.findall(r"'([^']*)'", text[text.index("]") + 1 : text.index("}") + 1])
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        ids = _mesh_devices(text, math.prod(sizes)).reshape(sizes)
         axes = [names.index(s) for s in spanned if s in names]
         kept = [a for a in range(len(sizes)) if a not in axes]
         ids = ids.transpose(kept + axes).reshape(-1, math.prod(sizes[a] for a in axes))
@@ -333,6 +334,26 @@ def replica_groups(rest: str, devices: int) -> tuple[tuple[int, ...], ...]:
         if found and any(found):
             return found
     return (tuple(range(devices)),)
+
+
+def _mesh_devices(text: str, n: int) -> np.ndarray:
+    """The devices of a ``mesh[...]`` replica-group form, in the mesh's order: its
+    ``device_ids=(...)`` (an iota ``[2,4]T(1,0)`` or a list), else ``0 .. n-1``.
+
+    >>> _mesh_devices("mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}", 8).tolist()
+    [0, 4, 1, 5, 2, 6, 3, 7]
+    """
+    head = text[: text.index("{")] if "{" in text else text
+    m = re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", head)
+    if m:
+        ids = np.arange(n).reshape([int(d) for d in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(d) for d in m.group(2).split(",")])
+        return ids.reshape(-1)
+    m = re.search(r"device_ids=\(([\d,\s]+)\)", head)
+    if m:
+        return np.array([int(d) for d in m.group(1).split(",") if d.strip()])
+    return np.arange(n)
 
 
 def collectives(text: str, devices: int) -> list[Collective]:
