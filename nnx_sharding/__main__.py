@@ -6,7 +6,9 @@ Trains the tensor-parallel MLP recipe (`nnx_sharding.recipes`) on simulated CPU
 devices next to a single-device reference, then prints every parameter's sharding
 and both final losses. A mesh with a ``data`` axis trains the data-parallel recipe
 (with ``model`` too: both, on a 2-D mesh); one with a ``stage`` axis, the pipeline
-recipe (a deeper MLP's blocks over ``stage``, beside ``data`` and ``model``). With
+recipe (a deeper MLP's blocks over ``stage``, beside ``data`` and ``model``); one with
+an ``expert`` axis, the mixture-of-experts recipe (the experts over ``expert``, the
+batch over ``data`` and ``expert``). With
 ``--checkpoint DIR`` the sharded run saves to DIR as it trains and, when DIR holds a
 checkpoint, resumes from it.
 
@@ -36,8 +38,9 @@ from ._cli.launch import DESCRIPTION as LAUNCH_DESCRIPTION
 from ._cli.launch import USAGE as LAUNCH_USAGE
 
 PROG = "python -m nnx_sharding"
-JOB_AXES = ("stage", "data", "model")
-"""The training job's mesh axes, outermost first: the pipeline's stages, then the batch."""
+JOB_AXES = ("stage", "expert", "data", "model")
+"""The training job's mesh axes, outermost first: the pipeline's stages or the experts,
+then the batch."""
 DESCRIPTION = "Trains a sharded nnx MLP on simulated CPU devices next to a one-device reference."
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -85,7 +88,9 @@ def _epilog() -> str:
     return (
         "The mesh picks the recipe: 'model' alone, tensor parallel (Megatron, shard_map);\n"
         "'data' alone, data parallel; both, data x tensor parallel; with 'stage', pipeline\n"
-        "parallel (GPipe) over it, 'data' and 'model' inside each stage.\n\n"
+        "parallel (GPipe) over it, 'data' and 'model' inside each stage; with 'expert', a\n"
+        "mixture-of-experts MLP, its experts over 'expert', the batch over 'data' and\n"
+        "'expert'.\n\n"
         f"commands ({PROG} COMMAND --help for their options):\n{commands}\n\n"
         "launcher (multi-process runs on one machine):\n"
         + "\n".join(launcher)
@@ -113,7 +118,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=job_mesh_axes,
         metavar="AXES",
         help=(
-            "mesh axes among stage, data, model, e.g. data=2,model=4 or stage=4,data=2 "
+            "mesh axes among stage, expert, data, model, e.g. data=2,model=4, "
+            "stage=4,data=2 or expert=4,data=2 "
             "(default: model=N, N the devices)"
         ),
     )
@@ -127,7 +133,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ),
     )
     args = parser.parse_args(argv)
-    if args.mesh is not None and "stage" in args.mesh:
+    if args.mesh is not None and ("stage" in args.mesh or "expert" in args.mesh):
         from .recipes._job import mesh_problem  # imports jax; starts no backend
 
         problem = mesh_problem(args.mesh)

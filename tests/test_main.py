@@ -77,6 +77,26 @@ def test_stage_mesh_trains_the_pipeline_beside_the_same_model_without_it():
     assert "Traceback" not in run.stderr
 
 
+def test_expert_mesh_trains_the_moe_beside_the_same_model_without_it():
+    run = job("--mesh", "data=2,expert=4", "--steps", "5")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    title = "expert parallel (MoE, 8 experts, top-2, dropless) on mesh {'expert': 4, 'data': 2}"
+    assert title in out and "2 residual MoE blocks (8 experts" in out and "5/5" in out
+    assert "load balancing, sequences of 8 tokens, batch 32" in out
+    rows = {
+        "blocks.0.gate": r"\(8, 16, 32\)\s+│ P\('expert', None, None\)\s+│ \(2, 16, 32\)",
+        "blocks.1.down": r"\(8, 32, 16\)\s+│ P\('expert', None, None\)\s+│ \(2, 32, 16\)",
+        "blocks.0.router": r"\(16, 8\)\s+│ P\(\)\s+│ \(16, 8\)",
+        "up.kernel": r"\(16, 16\)\s+│ P\(\)\s+│ \(16, 16\)",
+    }
+    for path, row in rows.items():
+        assert re.search(rf"{re.escape(path)}\s+│ {row}", out), (path, out)
+    loss, reference = final_losses(out)
+    assert loss == pytest.approx(reference, rel=1e-5)
+    assert "Traceback" not in run.stderr
+
+
 def test_devices_alone_sets_the_model_axis():
     run = job("--devices", "4", "--steps", "5")
     assert run.returncode == 0, run.stderr
@@ -90,9 +110,12 @@ def test_devices_alone_sets_the_model_axis():
         (["--steps", "ten"], "argument --steps: expected a positive integer, got 'ten'"),
         (["--devices", "-1"], "argument --devices: expected a positive integer, got '-1'"),
         (["--mesh", "data=3,model=4", "--devices", "8"], "has 12 devices, but --devices is 8"),
-        (["--mesh", "batch=8"], "with NAME in ('stage', 'data', 'model')"),
+        (["--mesh", "batch=8"], "with NAME in ('stage', 'expert', 'data', 'model')"),
         (["--mesh", "stage=3"], "--mesh stage=3: the pipeline's 8 residual blocks do not split"),
         (["--mesh", "stage=16", "--devices", "16"], "do not split into 16 stages (stage=1, 2, 4"),
+        (["--mesh", "expert=3"], "--mesh expert=3: the 8 experts do not split over 3 devices"),
+        (["--mesh", "expert=16", "--devices", "16"], "over 16 devices (expert=1, 2, 4 or 8)"),
+        (["--mesh", "stage=2,expert=4"], "pipelines (stage) or splits experts (expert), not both"),
         (["--mesh", "data=2,data=4"], "axis 'data' is given twice"),
         (["--mesh", "data=two"], "expected a positive size for 'data', got 'two'"),
         (["--mesh", "model"], "got 'model'"),
@@ -115,6 +138,7 @@ def test_options_and_their_defaults():
     assert vars(parse(["--mesh", "data=2,stage=4"])) == {
         "devices": 8, "steps": 300, "mesh": {"stage": 4, "data": 2}
     }  # fmt: skip
+    assert parse(["--mesh", "data=2,expert=4"]).mesh == {"expert": 4, "data": 2}
 
 
 @pytest.mark.parametrize(
@@ -253,4 +277,19 @@ def test_checkpoint_of_a_stage_mesh_resumes_in_the_pipeline_layout(tmp_path):
     # the MLP of another mesh does not fit it: refused, with no traceback
     other = job("--mesh", "model=8", "--steps", "12", "--checkpoint", str(tmp_path))
     assert other.returncode == 1 and "cannot resume from step 8" in other.stdout
+    assert "Traceback" not in other.stderr
+
+
+def test_checkpoint_of_an_expert_mesh_resumes_on_another_split(tmp_path):
+    """Saved with the experts over expert=4 (x data=2), resumed with them over expert=8:
+    the same model, laid out anew; the MLP of a mesh without experts is refused."""
+    first = job("--mesh", "expert=4,data=2", "--steps", "3", "--checkpoint", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    second = job("--mesh", "expert=8", "--steps", "6", "--checkpoint", str(tmp_path))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from step 3" in second.stdout and "over steps 4-6" in second.stdout
+    loss, reference = final_losses(second.stdout)
+    assert loss == pytest.approx(reference, rel=1e-5)
+    other = job("--mesh", "model=8", "--steps", "9", "--checkpoint", str(tmp_path))
+    assert other.returncode == 1 and "cannot resume from step 6" in other.stdout
     assert "Traceback" not in other.stderr

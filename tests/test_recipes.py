@@ -318,3 +318,47 @@ def test_pipeline_sharding_with_tensor_parallelism_inside_each_stage():
     assert specs.sharding_for(("up", "kernel"), None) == P(None, "model")
     assert specs.sharding_for(("down", "kernel"), None) == P("model", None)
     assert specs.sharding_for(("opt_state", 0, "count"), None) == P()
+
+
+def test_expert_step_matches_the_same_model_without_the_mesh():
+    """`ExpertMLP`'s experts over 'expert' 4, the sequences over 'data' 2 and 'expert':
+    every step's loss (with the load-balancing term) and the final parameters are those
+    of the same model trained by `expert_reference_step` with no mesh."""
+    from nnx_sharding.recipes._experts import as_sequences
+
+    def moe() -> r.ExpertMLP:
+        return r.ExpertMLP(
+            DIN, HIDDEN, DOUT, layers=2, experts=8, k=2, mlp=16, rngs=nnx.Rngs(0)
+        )  # fmt: skip
+
+    batches = as_sequences(r.make_batches(3, 16 * 4, DIN, DOUT), 4)  # 16 sequences of 4
+    ref_model = moe()
+    ref_losses = r.train(
+        r.expert_reference_step(), ref_model, r.make_optimizer(ref_model), batches, 4
+    )
+    model = moe()
+    optimizer = r.make_optimizer(model)
+    losses = r.train(
+        r.expert_step(r.make_mesh({"expert": 4, "data": 2})), model, optimizer, batches, 4
+    )
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    assert r.max_param_diff(model, ref_model) < 1e-4  # adam: steps of lr from tiny grads
+    experts = {f"blocks.{i}.{n}": P("expert") for i in (0, 1) for n in ("gate", "up", "down")}
+    expected = {
+        **dict.fromkeys(MEGATRON, P()),
+        **experts,
+        "blocks.0.router": P(),
+        "blocks.1.router": P(),
+    }
+    check_layout(model, optimizer, expected)
+    assert model.blocks[0].gate[...].sharding.shard_shape((8, HIDDEN, 16)) == (2, HIDDEN, 16)
+
+
+def test_expert_sharding_by_the_logical_names():
+    specs = r.expert_sharding("model")
+    assert specs.sharding_for(("opt_state", 0, "nu", "blocks", 0, "gate"), None) == P(
+        "expert", None, "model"
+    )
+    assert specs.sharding_for(("blocks", 0, "router"), None) == P(None, None)
+    assert specs.sharding_for(("up", "kernel"), None) == P()
+    assert specs.sharding_for(("opt_state", 0, "count"), None) == P()

@@ -1,5 +1,6 @@
-"""Recipes: an nnx MLP trained tensor-parallel, data-parallel, on a 2-D mesh, with FSDP
-and, deeper (`DeepMLP`), pipelined.
+"""Recipes: an nnx MLP trained tensor-parallel, data-parallel, on a 2-D mesh, with FSDP,
+deeper (`DeepMLP`) pipelined and, with mixture-of-experts blocks (`ExpertMLP`),
+expert-parallel.
 
 Every recipe is a step factory, ``recipe(mesh, ...) -> step``, where
 ``step(model, optimizer, x, y)`` runs one adam step in place and returns the loss.
@@ -12,10 +13,17 @@ tolerance; ``docs/recipes/`` walks through them.
 - `data_tensor_parallel_step`: both, on a ``('data', 'model')`` mesh.
 - `fsdp_step`: parameters split over ``'data'`` (`fsdp_sharding`), gathered each step.
 - `pipeline_step`: `DeepMLP`'s blocks pipelined over ``'stage'`` (`pipeline_sharding`).
+- `expert_step`: `ExpertMLP`'s experts over ``'expert'`` (`expert_sharding`), its loss
+  `expert_loss` (with the load-balancing loss), its reference `expert_reference_step`.
 """
 
 from ._data_parallel import data_parallel_step as data_parallel_step
 from ._data_parallel import data_tensor_parallel_step as data_tensor_parallel_step
+from ._experts import ExpertMLP as ExpertMLP
+from ._experts import expert_loss as expert_loss
+from ._experts import expert_reference_step as expert_reference_step
+from ._experts import expert_sharding as expert_sharding
+from ._experts import expert_step as expert_step
 from ._fsdp import fsdp_sharding as fsdp_sharding
 from ._fsdp import fsdp_step as fsdp_step
 from ._fsdp import gather_params as gather_params
@@ -45,11 +53,16 @@ __all__ = [
     "MLP",
     "Batch",
     "DeepMLP",
+    "ExpertMLP",
     "OnStep",
     "PathEndsWith",
     "Step",
     "data_parallel_step",
     "data_tensor_parallel_step",
+    "expert_loss",
+    "expert_reference_step",
+    "expert_sharding",
+    "expert_step",
     "fsdp_sharding",
     "fsdp_step",
     "gather_params",

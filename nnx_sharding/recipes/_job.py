@@ -11,7 +11,10 @@ trains from scratch: it is cheap and keeps the comparison the same.
 
 A mesh with a ``stage`` axis trains `DeepMLP` instead of the MLP: `LAYERS` residual
 blocks pipelined over ``stage`` (GPipe, `pipeline_step`), its reference the same model
-with no mesh, where the pipeline is a plain scan over the blocks.
+with no mesh, where the pipeline is a plain scan over the blocks. A mesh with an
+``expert`` axis trains `ExpertMLP`: `MOE_LAYERS` residual mixture-of-experts blocks of
+`EXPERTS` experts (top-`TOP_K`, dropless), the experts over ``expert`` (`expert_step`),
+on sequences of `SEQ` tokens; its loss and its reference's add the load-balancing loss.
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ from rich.table import Table
 
 from .._state_sharding import StateSharding
 from ._data_parallel import data_parallel_step, data_tensor_parallel_step
+from ._experts import (
+    AUX_WEIGHT,
+    ExpertMLP,
+    as_sequences,
+    batch_spec,
+    expert_reference_step,
+    expert_sharding,
+    expert_step,
+)
 from ._model import (
     MLP,
     Array,
@@ -59,6 +71,9 @@ MAX_TO_KEEP = 3
 """With ``--checkpoint``: how many of the latest checkpoints the directory keeps."""
 LAYERS = 8
 """With a ``stage`` axis: `DeepMLP`'s residual blocks, split evenly over the stages."""
+MOE_LAYERS, EXPERTS, TOP_K, EXPERT_MLP, SEQ = 2, 8, 2, 32, 8
+"""With an ``expert`` axis: `ExpertMLP`'s MoE blocks, experts (split evenly over the
+``expert`` axis), experts per token, each expert's hidden width, tokens per sequence."""
 
 
 def mesh_problem(axes: Mapping[AxisName, int]) -> str | None:
@@ -66,16 +81,28 @@ def mesh_problem(axes: Mapping[AxisName, int]) -> str | None:
 
     >>> print(mesh_problem({'stage': 3}))
     the pipeline's 8 residual blocks do not split into 3 stages (stage=1, 2, 4 or 8)
+    >>> print(mesh_problem({'expert': 3}))
+    the 8 experts do not split over 3 devices (expert=1, 2, 4 or 8)
     """
-    stages = axes.get("stage", 1)
+    if "stage" in axes and "expert" in axes:
+        return "the job pipelines (stage) or splits experts (expert), not both"
+    stages, experts = axes.get("stage", 1), axes.get("expert", 1)
     if LAYERS % stages:
-        fits = [n for n in range(1, LAYERS + 1) if LAYERS % n == 0]
-        shown = ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}"
         return (
             f"the pipeline's {LAYERS} residual blocks do not split into {stages} stages "
-            f"(stage={shown})"
+            f"(stage={_divisors(LAYERS)})"
+        )
+    if EXPERTS % experts:
+        return (
+            f"the {EXPERTS} experts do not split over {experts} devices "
+            f"(expert={_divisors(EXPERTS)})"
         )
     return None
+
+
+def _divisors(n: int) -> str:
+    fits = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, fits[:-1])) + f" or {fits[-1]}"
 
 
 def microbatches(axes: Mapping[AxisName, int]) -> int:
@@ -88,10 +115,14 @@ def microbatches(axes: Mapping[AxisName, int]) -> int:
 
 
 def pick_recipe(axes: Mapping[AxisName, int]) -> tuple[str, Step, NamedSharding]:
-    """The recipe for the mesh (pipeline-, tensor-, data-parallel or data x tensor), its
-    batch sharding."""
+    """The recipe for the mesh (pipeline-, expert-, tensor-, data-parallel or data x
+    tensor), its batch sharding."""
     mesh = make_mesh(axes)
     batch = NamedSharding(mesh, P("data") if "data" in axes else P())
+    if "expert" in axes:
+        inside = " x tensor" * ("model" in axes)
+        name = f"expert{inside} parallel (MoE, {EXPERTS} experts, top-{TOP_K}, dropless)"
+        return name, expert_step(mesh), NamedSharding(mesh, batch_spec(mesh.axis_names))
     if "stage" in axes:
         stages, inside = axes["stage"], " x tensor" * ("model" in axes)
         plural = "s" * (stages != 1)
@@ -113,6 +144,7 @@ def state_layout(axes: Mapping[AxisName, int]) -> StateSharding:
     Megatron's split over ``model`` when the mesh has that axis (replicated over
     ``data``), else everything replicated: the ``in_shardings`` of the recipe's step.
     With ``stage``, `pipeline_sharding`: the blocks' layer dimension over ``stage``.
+    With ``expert``, `expert_sharding`: the MoE weights by their logical names.
 
     >>> state_layout({'data': 2}).shardings[0].spec
     P()
@@ -120,8 +152,11 @@ def state_layout(axes: Mapping[AxisName, int]) -> StateSharding:
     P('stage',)
     """
     mesh = make_mesh(axes)
+    model_axis = "model" if "model" in axes else None
     if "stage" in axes:
-        return on_mesh(mesh, pipeline_sharding(model_axis="model" if "model" in axes else None))
+        return on_mesh(mesh, pipeline_sharding(model_axis=model_axis))
+    if "expert" in axes:
+        return on_mesh(mesh, expert_sharding(model_axis))
     if "model" in axes:
         return on_mesh(mesh, megatron_sharding())
     return StateSharding({...: NamedSharding(mesh, P())})
@@ -162,6 +197,9 @@ def run(
     batch = 32 * axes.get("data", 1)
     name, step, placement = pick_recipe(axes)
     batches = make_batches(16, batch, DIN, DOUT)
+    if "expert" in axes:  # sequences of SEQ tokens, at least 4 per device
+        batch = 4 * axes.get("data", 1) * axes["expert"]
+        batches = as_sequences(make_batches(16, batch * SEQ, DIN, DOUT), SEQ)
     model = new_model(axes)
     reference = nnx.clone(model)
     optimizer = make_optimizer(model)
@@ -195,7 +233,7 @@ def run(
             expected = _train(
                 progress,
                 "single-device reference",
-                reference_step(),
+                expert_reference_step() if "expert" in axes else reference_step(),
                 reference,
                 make_optimizer(reference),
                 batches,
@@ -267,11 +305,19 @@ def _resume(
 
 def new_model(axes: Mapping[AxisName, int]) -> MLP:
     """The model the job trains on ``axes``: the MLP, 16 hidden units per ``model``
-    device; with ``stage``, `DeepMLP` (`LAYERS` blocks, `microbatches`).
+    device; with ``stage``, `DeepMLP` (`LAYERS` blocks, `microbatches`); with
+    ``expert``, `ExpertMLP` (`MOE_LAYERS` blocks of `EXPERTS` experts).
 
     >>> type(new_model({'stage': 4, 'data': 2})).__name__
     'DeepMLP'
+    >>> new_model({'expert': 4, 'data': 2}).blocks[0].gate.shape
+    (8, 16, 32)
     """
+    if "expert" in axes:  # the experts' hidden units over `model`, the rest replicated
+        return ExpertMLP(
+            DIN, 16, DOUT, layers=MOE_LAYERS, experts=EXPERTS, k=TOP_K,
+            mlp=EXPERT_MLP * axes.get("model", 1), rngs=nnx.Rngs(0),
+        )  # fmt: skip
     hidden = 16 * axes.get("model", 1)
     if "stage" in axes:
         return DeepMLP(
@@ -282,6 +328,13 @@ def new_model(axes: Mapping[AxisName, int]) -> MLP:
 
 def _describe(axes: Mapping[AxisName, int]) -> str:
     hidden = 16 * axes.get("model", 1)
+    if "expert" in axes:
+        mlp = EXPERT_MLP * axes.get("model", 1)
+        return (
+            f"MLP {DIN} -> 16 -> {MOE_LAYERS} residual MoE blocks ({EXPERTS} experts of "
+            f"16 -> {mlp} -> 16, top-{TOP_K}) -> {DOUT}, loss + {AUX_WEIGHT:g} x load "
+            f"balancing, sequences of {SEQ} tokens"
+        )
     if "stage" in axes:
         return f"MLP {DIN} -> {hidden} -> {LAYERS} residual blocks of {hidden} -> {DOUT}"
     return f"MLP {DIN} -> {hidden} -> {DOUT}"
