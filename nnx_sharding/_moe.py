@@ -115,7 +115,8 @@ def moe(
     """``(y, loss)``: the mixture-of-experts SwiGLU of ``x`` (batch, seq, d_model) and
     the router's load-balancing loss (`route`).
 
-    ``weights``: ``router`` (d, E), ``gate`` and ``up`` (E, d, f), ``down`` (E, f, d),
+    ``x`` is ``(batch, seq, d_model)``: the capacity and the load-balancing loss are per
+    sequence. ``weights``: ``router`` (d, E), ``gate`` and ``up`` (E, d, f), ``down`` (E, f, d),
     and optionally the shared experts' ``shared_gate``, ``shared_up`` (d, F) and
     ``shared_down`` (F, d), whose SwiGLU every token goes through. The experts compute
     in ``x``'s dtype. See the module's docstring for ``capacity_factor`` (dropping, or
@@ -147,19 +148,24 @@ def moe(
     return _auto_axes(body, x)(x, weights)
 
 
-def _check(
-    x: jax.Array, weights: dict[str, jax.Array], k: int, cf: float | None, grouped: str
-) -> None:
-    experts, seq = weights["gate"].shape[0], x.shape[1]
+def _check_options(experts: int, k: object, cf: object, grouped: object) -> None:
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= experts:
         raise ValueError(_errors.moe_bad_k(k, experts))
     if grouped not in ("ragged", "dense"):
         raise ValueError(_errors.moe_bad_grouped(grouped))
-    if cf is not None:
-        if not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf <= 0:
-            raise ValueError(_errors.moe_bad_capacity(cf, seq, experts, k))
-        if capacity(seq, experts, k, cf) < 1:
-            raise ValueError(_errors.moe_bad_capacity(cf, seq, experts, k))
+    if cf is not None and (not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf <= 0):
+        raise ValueError(_errors.moe_bad_capacity(cf, None, experts, k))
+
+
+def _check(
+    x: jax.Array, weights: dict[str, jax.Array], k: int, cf: float | None, grouped: str
+) -> None:
+    experts = weights["gate"].shape[0]
+    _check_options(experts, k, cf, grouped)
+    if x.ndim != 3 or x.shape[-1] != weights["gate"].shape[1]:
+        raise ValueError(_errors.moe_bad_input(x.shape, weights["gate"].shape[1]))
+    if cf is not None and capacity(x.shape[1], experts, k, cf) < 1:
+        raise ValueError(_errors.moe_bad_capacity(cf, x.shape[1], experts, k))
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     if experts % sizes.get(EXPERT, 1):
@@ -323,8 +329,7 @@ class MoE(nnx.Module):
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= experts:
-            raise ValueError(_errors.moe_bad_k(k, experts))
+        _check_options(experts, k, capacity_factor, grouped)
         self.k, self.capacity_factor, self.renormalize = k, capacity_factor, renormalize
         self.grouped, self.activation = grouped, activation
         # the names are metadata only: `nnx_sharding.shard(layer, mesh, rules=RULES)`
@@ -333,6 +338,20 @@ class MoE(nnx.Module):
             for name, shape in moe_shapes(d_model, experts, mlp, shared).items():
                 init = nnx.with_partitioning(nnx.initializers.normal(0.02), NAMES[name])
                 setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype)))
+
+    RULES = RULES
+    """`nnx_sharding.shard`'s default rules for the weights' logical names (`RULES`)."""
+
+    def capacity(self, seq: int) -> int | None:
+        """Tokens of a ``seq``-long sequence each expert takes (`capacity`); None when
+        dropless.
+
+        >>> MoE(8, experts=4, k=2, mlp=16, capacity_factor=1.25, rngs=nnx.Rngs(0)).capacity(64)
+        40
+        """
+        if self.capacity_factor is None:
+            return None
+        return capacity(seq, self.gate.shape[0], self.k, self.capacity_factor)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         weights = {n: p[...] for n, p in vars(self).items() if isinstance(p, nnx.Param)}

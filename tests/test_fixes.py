@@ -1338,10 +1338,20 @@ CASES = [
         check="assert y.shape == x.shape",
     ),
     Case(
+        "moe_bad_input",
+        1,
+        MOE,
+        "x = jnp.ones((5, 8))\nlayer = nnx_sharding.MoE(8, k=2, **sizes)\nlayer(x)",
+        "x = jnp.ones((5, 8))\nlayer = nnx_sharding.MoE(8, k=2, **sizes)\n"
+        "y, loss = layer(x[:, None, :])\ny = y[:, 0]",
+        ValueError,
+        check="assert y.shape == x.shape",
+    ),
+    Case(
         "moe_bad_grouped",
         1,
         MOE,
-        "nnx_sharding.MoE(8, k=2, grouped='sparse', **sizes)(x)",
+        "nnx_sharding.MoE(8, k=2, grouped='sparse', **sizes)",
         "y, loss = nnx_sharding.MoE(8, k=2, grouped='ragged', **sizes)(x)",
         ValueError,
         check="assert y.shape == x.shape",

@@ -144,4 +144,14 @@ def test_bad_input():
         with pytest.raises(ValueError, match=r"6 experts over the mesh axis 'expert' of 4"):
             layer(tokens())
     with pytest.raises(ValueError, match=r"grouped: 'sparse'"):
-        layer_of(grouped="sparse")(tokens())
+        layer_of(grouped="sparse")  # at construction, not at the first call
+    with pytest.raises(ValueError, match=r"capacity_factor: -1 is not a positive number"):
+        layer_of(capacity_factor=-1)
+    with pytest.raises(ValueError, match=r"x: an array of shape \(8, 16\); the layer's width"):
+        layer_of()(tokens()[:, 0])
+
+
+def test_the_layer_says_its_capacity_and_rules():
+    assert layer_of(capacity_factor=1.25).capacity(4096) == capacity(4096, E, K, 1.25) == 1280
+    assert layer_of().capacity(4096) is None
+    assert dict(nnx_sharding.MoE.RULES)["experts"] == "expert"

@@ -4,7 +4,28 @@ from __future__ import annotations
 
 from .layout import divisors, format_message
 
-__all__ = ["moe_bad_capacity", "moe_bad_grouped", "moe_bad_k", "moe_experts_indivisible"]
+__all__ = [
+    "moe_bad_capacity",
+    "moe_bad_grouped",
+    "moe_bad_input",
+    "moe_bad_k",
+    "moe_experts_indivisible",
+]
+
+
+def moe_bad_input(shape: tuple[int, ...], d_model: int) -> str:
+    """``x`` is not ``(batch, seq, d_model)``."""
+    return format_message(
+        "MoE",
+        "x",
+        [f"an array of shape {tuple(shape)}; the layer's width is {d_model}"],
+        "Rule: x is (batch, seq, d_model): the experts' capacity and the router's loss are "
+        "per sequence.",
+        [
+            "give tokens without a sequence one: `layer(x[:, None, :])`, and take `y[:, 0]`;",
+            f"or build the layer with `d_model={shape[-1] if shape else d_model}`.",
+        ],
+    )
 
 
 def moe_bad_k(k: object, experts: int, transform: str = "MoE", argument: str = "k") -> str:
@@ -35,7 +56,7 @@ def moe_bad_grouped(grouped: object) -> str:
 
 
 def moe_bad_capacity(
-    capacity_factor: object, seq: int, experts: int, k: int, transform: str = "MoE"
+    capacity_factor: object, seq: int | None, experts: int, k: int, transform: str = "MoE"
 ) -> str:
     """A capacity factor that is not positive, or so small that every token is dropped."""
     return format_message(
@@ -46,7 +67,7 @@ def moe_bad_capacity(
             f"k={k}: each expert would take int(ceil({k} · {seq} / {experts}) · "
             f"{capacity_factor!r}) = 0 tokens per sequence, so every assignment would be "
             "dropped"
-            if isinstance(capacity_factor, (int, float)) and capacity_factor > 0
+            if isinstance(capacity_factor, (int, float)) and capacity_factor > 0 and seq
             else f"{capacity_factor!r} is not a positive number"
         ],
         "Rule: each expert takes int(ceil(k · seq / experts) · capacity_factor) tokens of "

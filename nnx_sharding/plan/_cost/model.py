@@ -115,6 +115,8 @@ _FACTOR = {
 _DTYPES = {
     "bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "s8": "int8",
     "u8": "int8", "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2",
+    # a boolean mask (a one-hot dispatch) converted inside the matmul's fusion
+    "pred": "bfloat16",
 }  # fmt: skip
 
 

@@ -210,7 +210,10 @@ def _dtype_name(dtype: object) -> str:
         except TypeError:
             import jax.numpy as jnp  # bfloat16 and the float8 types are ml_dtypes'
 
-            return np.dtype(getattr(jnp, dtype, dtype)).name
+            try:
+                return np.dtype(getattr(jnp, dtype, dtype)).name
+            except TypeError:  # a name no dtype has: the lowest figure (see peak_flops)
+                return dtype
     return np.dtype(dtype).name  # type: ignore[arg-type]
 
 
