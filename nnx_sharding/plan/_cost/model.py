@@ -15,7 +15,9 @@ predicted from the optimized program's own kernels and collectives on an `Accele
   torus axis it spans, two where it spans a whole wrapped axis; a group across nodes
   (GPU hosts, TPU slices) sends its share over the per-device network, hierarchically:
   ``max(in-node ring, across-node ring of (n_nodes-1)/n_nodes over the group's
-  per-node devices' network links)``.
+  per-node devices' network links)``; an all-to-all's across-node share is each
+  device's own, ``(n_nodes-1)/n_nodes`` of its buffer to the devices of other nodes
+  over its own network link (the experts' dispatch and combine).
 - **Overlap.** Tensor parallelism's activations (a group spanning the ``model`` axis,
   but not the compiler's collective matmuls, which it writes as collective-permutes
   interleaved with the matmul's pieces) wait on the next kernel: exposed. The others
@@ -204,7 +206,10 @@ def collective_time(
         inside = c.bytes * factor(per_node) / (_ring_bandwidth(local, accelerator, topology) * eff)
     if count == 1:
         return accelerator.intra_latency + inside
-    across = c.bytes * factor(count) / (per_node * accelerator.inter_bandwidth * eff)
+    if c.kind == "all-to-all":  # every device sends its own share to the other nodes
+        across = c.bytes * factor(count) / (accelerator.inter_bandwidth * eff)
+    else:
+        across = c.bytes * factor(count) / (per_node * accelerator.inter_bandwidth * eff)
     return accelerator.inter_latency + max(inside, across)
 
 
