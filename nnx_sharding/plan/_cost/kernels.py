@@ -27,11 +27,15 @@ _BOOKKEEPING = frozenset(
         "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
         "add-dependency", "domain", "copy-start", "copy-done", "send", "send-done", "recv",
         "recv-done", "async-update", "async-done", "fusion-done",
+        "dynamic-slice-start", "dynamic-slice-done", "dynamic-update-slice-start",
+        "dynamic-update-slice-done",
     }
 )  # fmt: skip
-"""Instructions that launch no kernel (or, ``copy-start``/``copy-done``, an
-asynchronous copy between memory spaces that overlaps the kernels; ``fusion-done``,
-the end of a ``fusion-start``, which is the kernel)."""
+"""Instructions that launch no kernel (or, ``copy-start``/``copy-done`` and the
+asynchronous ``dynamic-slice`` and ``dynamic-update-slice``, an asynchronous copy
+between memory spaces that overlaps the kernels: host offload's, a layer's saved
+activations written to the host's stacked buffer and read back; ``fusion-done``, the
+end of a ``fusion-start``, which is the kernel)."""
 _COLLECTIVE = frozenset(KINDS) | {f"{k}-start" for k in KINDS} | {f"{k}-done" for k in KINDS}
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
