@@ -207,3 +207,39 @@ def test_a_tpu_plans_peak_is_the_compilers_own_not_the_sum_of_its_parts(monkeypa
     memory = plans[0].memory
     assert memory.peak == stats.peak_memory_in_bytes != parts
     assert memory.temp == memory.peak - (memory.arguments + memory.outputs - memory.alias)
+
+
+@pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
+def test_offloaded_activations_are_the_hosts_memory_and_hide_under_the_kernels(monkeypatch):
+    """``offload_qkv`` moves each layer's input and projections to the host: the TPU
+    compiler's peak then counts the host's buffers, so the plan's device memory is its
+    ``temp_size_in_bytes``, the host's bytes are a note, and the asynchronous copies to
+    and from the host are not priced as kernels (they overlap them); its matmuls
+    recompute less than under ``full``."""
+    import dataclasses
+
+    from nnx_sharding.plan import DECODER_CONFIGS, decoder_builder, search
+
+    seen: list = []
+    real = compile.temporaries
+    monkeypatch.setattr(
+        compile,
+        "temporaries",
+        lambda compiler, stats: seen.append(stats) or real(compiler, stats),
+    )
+    config = dataclasses.replace(
+        DECODER_CONFIGS["llama3-8b"], vocab=1024, layers=4, batch=16, seq_len=1024,
+        d_model=1024, heads=8, kv_heads=8, mlp=4096,
+    )  # fmt: skip
+    plans = search(
+        decoder_builder(config), {"remat": ["full", "offload_qkv"]}, devices=8,
+        accelerator="v5e:2x4", layouts=[("fsdp", {"fsdp": 8})], prune=False,
+    )  # fmt: skip
+    full, offload = sorted(plans, key=lambda p: p.knobs["remat"] != "full")
+    stats = seen[[p.knobs["remat"] for p in plans].index("offload_qkv")]
+    assert stats.host_temp_size_in_bytes > 0
+    assert offload.memory.temp == stats.temp_size_in_bytes
+    assert any("in the host's memory" in n for n in offload.notes)
+    host = ("dynamic-slice-start", "dynamic-update-slice-start")
+    copies = [op for op in offload.program.kernels if op.opcode in host]
+    assert copies == [] and offload.time.compute < full.time.compute

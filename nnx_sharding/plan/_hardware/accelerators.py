@@ -3,19 +3,19 @@
 Every figure is per device, dense (no structured sparsity), from public data sheets; the
 sources are listed in ``docs/planning/cost_model.md`` ("Cost model constants"):
 
-========== ========= ========= ======= ========= ================ ================ =====
-preset     bf16      fp32      HBM     HBM B/s   in node, 1 way   across nodes     node
-           FLOP/s    FLOP/s                      B/s, latency     B/s, latency
-========== ========= ========= ======= ========= ================ ================ =====
-h100       989e12    67e12     80 GB   3.35e12   450e9, 5 us      50e9, 10 us      8
-h200       989e12    67e12     141 GB  4.8e12    450e9, 5 us      50e9, 10 us      8
-a100-80gb  312e12    19.5e12   80 GB   2.039e12  300e9, 5 us      25e9, 10 us      8
-b200       2.25e15   75e12     180 GB  8e12      900e9, 5 us      50e9, 10 us      8
-v5e        197e12    --        16 GB   8.19e11   1e11, 1 us       3.125e9, 10 us   slice
-v5p        459e12    --        95 GiB  2.765e12  2e11, 1 us       6.25e9, 10 us    slice
-v6e        918e12    --        32 GB   1.64e12   2e11, 1 us       3.125e9, 10 us   slice
-cpu        (nominal) 1e12      16 GiB  1e11      1e10, 10 us      1e10, 10 us      8
-========== ========= ========= ======= ========= ================ ================ =====
+========== ========= ========= ========= ========= ================ ================ =====
+preset     bf16      fp32      HBM       HBM B/s   in node, 1 way   across nodes     node
+           FLOP/s    FLOP/s                        B/s, latency     B/s, latency
+========== ========= ========= ========= ========= ================ ================ =====
+h100       989e12    67e12     80 GB     3.35e12   450e9, 5 us      50e9, 10 us      8
+h200       989e12    67e12     141 GB    4.8e12    450e9, 5 us      50e9, 10 us      8
+a100-80gb  312e12    19.5e12   80 GB     2.039e12  300e9, 5 us      25e9, 10 us      8
+b200       2.25e15   75e12     180 GB    8e12      900e9, 5 us      50e9, 10 us      8
+v5e        197e12    --        16 GB     8.19e11   1e11, 1 us       3.125e9, 10 us   slice
+v5p        459e12    --        95 GiB    2.765e12  2e11, 1 us       6.25e9, 10 us    slice
+v6e        918e12    --        31.25 GiB 1.64e12   2e11, 1 us       3.125e9, 10 us   slice
+cpu        (nominal) 1e12      16 GiB    1e11      1e10, 10 us      1e10, 10 us      8
+========== ========= ========= ========= ========= ================ ================ =====
 
 The TPU's "in node" figure is two links' worth, one to each neighbour along an axis of
 the slice's torus (50 GB/s a link each way on v5e, 100 GB/s on v5p and v6e): a slice
@@ -319,8 +319,9 @@ PRESETS: Mapping[str, Accelerator] = MappingProxyType(
         # per chip; 4 chips per host.
         "v5p": _tpu("v5p", 459e12, 95 * _GIB, 2.765e12, 2 * 1e11, 6.25e9, 4, 4),
         # TPU v6e (Trillium): 918 TFLOP/s bf16, 32 GB HBM at 1,640 GB/s, 2-D torus,
-        # ICI 1e11 per link one way; 8 chips per host.
-        "v6e": _tpu("v6e", 918e12, 32 * _GB, 1.64e12, 2 * 1e11, 2.5e10 / 8, 8, 16),
+        # ICI 1e11 per link one way; 8 chips per host. Its memory is what the TPU
+        # compiler lets a program use ("exceeds available HBM (31.25G)"), 31.25 GiB.
+        "v6e": _tpu("v6e", 918e12, 31.25 * _GIB, 1.64e12, 2 * 1e11, 2.5e10 / 8, 8, 16),
         # A nominal CPU device, for plans compiled on simulated CPU devices: the figures
         # only rank candidates; they describe no particular machine.
         "cpu": Accelerator(
