@@ -5,6 +5,7 @@ built-in decoder, and prints the predicted step beside the published one
     python docs/scripts/moe_runs.py mixtral-8x7b     # v6e-256, FSDP 256
     python docs/scripts/moe_runs.py mixtral-8x22b    # v6e-256, FSDP 64 x expert 4
     python docs/scripts/moe_runs.py mixtral-8x7b --json out.jsonl
+    python docs/scripts/moe_runs.py mixtral-8x22b --compiler-defaults  # faster compile
 
 Each run: the model's config (`DECODER_CONFIGS`), its published per-device batch and
 sequence, MaxText's dropping path (``capacity_factor=1.25``), its remat (``custom``
@@ -57,8 +58,9 @@ RUNS = {
 DEVICES = 256
 
 
-def plan_run(name: str):
-    """The run's plan (one exact candidate), compiled for 256 compile-only v6e chips."""
+def plan_run(name: str, flags: bool = True):
+    """The run's plan (one exact candidate), compiled for 256 compile-only v6e chips,
+    with the recipe's compiler flags or (``flags=False``) the compiler's defaults."""
     from nnx_sharding.plan import DECODER_CONFIGS, decoder_builder, search
 
     run = RUNS[name]
@@ -70,7 +72,7 @@ def plan_run(name: str):
 
     def with_flags(knobs):
         built = build(knobs)
-        options = dict(built.jit_options, compiler_options=FLAGS)
+        options = dict(built.jit_options, compiler_options=FLAGS) if flags else built.jit_options
         return dataclasses.replace(built, jit_options=options)
 
     (plan,) = search(
@@ -84,15 +86,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", choices=list(RUNS))
     parser.add_argument("--json", default=None, help="append the result as a JSON line")
+    parser.add_argument(
+        "--compiler-defaults", action="store_true",
+        help="compile without the recipe's flags (several times faster to compile)",
+    )  # fmt: skip
     args = parser.parse_args()
     run = RUNS[args.run]
     start = time.perf_counter()
-    plan = plan_run(args.run)
+    plan = plan_run(args.run, flags=not args.compiler_defaults)
     seconds = time.perf_counter() - start
     t = plan.time
     row = {
         "run": args.run,
         "source": run["source"],
+        "flags": not args.compiler_defaults,
         "compiler": plan.compiler,
         "published_step": run["published_step"],
         "step": None if t is None else t.step,

@@ -58,11 +58,14 @@ def test_the_published_expert_parallel_run_is_predicted_within_25_percent(tmp_pa
     """Mixtral-8x22B on a v6e-256 as MaxText's recipe ran it (FSDP 64 × expert 4,
     capacity 1.25, the layer input and projections offloaded to the host), compiled by
     ``docs/scripts/moe_runs.py`` with the built-in decoder: it fits, as it ran, and its
-    step is the published 24.706 s within 25 % (no constant was set from it)."""
+    step is the published 24.706 s within 25 % (no constant was set from it). Compiled
+    with the compiler's defaults: the recipe's flags make the compile several times
+    slower (docs/planning/predictions.md gives both)."""
     out = tmp_path / "result.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "LIBTPU_"))}
     done = subprocess.run(
-        [sys.executable, str(MOE_SCRIPT), "mixtral-8x22b", "--json", str(out)],
+        [sys.executable, str(MOE_SCRIPT), "mixtral-8x22b", "--compiler-defaults", "--json",
+         str(out)],
         env=env, capture_output=True, text=True, timeout=3600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
