@@ -33,6 +33,16 @@ def final_losses(out: str) -> tuple[float, float]:
     return float(found[1]), float(found[2])
 
 
+def assert_placed_and_matching(run, rows: dict[str, str]) -> None:
+    """Each parameter's row of the printed table (shape, spec, shard), and the final
+    loss the single-device reference's."""
+    for path, row in rows.items():
+        assert re.search(rf"{re.escape(path)}\s+│ {row}", run.stdout), (path, run.stdout)
+    loss, reference = final_losses(run.stdout)
+    assert loss == pytest.approx(reference, rel=1e-5)
+    assert "Traceback" not in run.stderr
+
+
 def test_default_mesh_trains_tensor_parallel_on_8_devices():
     run = job("--steps", "20")
     assert run.returncode == 0, run.stderr
@@ -44,11 +54,7 @@ def test_default_mesh_trains_tensor_parallel_on_8_devices():
         "down.kernel": r"\(128, 8\)\s+│ P\('model',\)\s+│ \(16, 8\)",
         "down.bias": r"\(8,\)\s+│ P\(\)\s+│ \(8,\)",
     }
-    for path, row in rows.items():
-        assert re.search(rf"{re.escape(path)}\s+│ {row}", out), (path, out)
-    loss, reference = final_losses(out)
-    assert loss == pytest.approx(reference, rel=1e-5)
-    assert "Traceback" not in run.stderr
+    assert_placed_and_matching(run, rows)
 
 
 def test_2d_mesh_and_device_count():
@@ -70,11 +76,7 @@ def test_stage_mesh_trains_the_pipeline_beside_the_same_model_without_it():
         "blocks.bias": r"\(8, 16\)\s+│ P\('stage',\)\s+│ \(2, 16\)",
         "up.kernel": r"\(16, 16\)\s+│ P\(\)\s+│ \(16, 16\)",
     }
-    for path, row in rows.items():
-        assert re.search(rf"{re.escape(path)}\s+│ {row}", out), (path, out)
-    loss, reference = final_losses(out)
-    assert loss == pytest.approx(reference, rel=1e-5)
-    assert "Traceback" not in run.stderr
+    assert_placed_and_matching(run, rows)
 
 
 def test_expert_mesh_trains_the_moe_beside_the_same_model_without_it():
@@ -90,11 +92,7 @@ def test_expert_mesh_trains_the_moe_beside_the_same_model_without_it():
         "blocks.0.router": r"\(16, 8\)\s+│ P\(\)\s+│ \(16, 8\)",
         "up.kernel": r"\(16, 16\)\s+│ P\(\)\s+│ \(16, 16\)",
     }
-    for path, row in rows.items():
-        assert re.search(rf"{re.escape(path)}\s+│ {row}", out), (path, out)
-    loss, reference = final_losses(out)
-    assert loss == pytest.approx(reference, rel=1e-5)
-    assert "Traceback" not in run.stderr
+    assert_placed_and_matching(run, rows)
 
 
 def test_devices_alone_sets_the_model_axis():

@@ -172,6 +172,19 @@ def test_the_gpu_kernel_cache_is_written_and_changes_no_figure(monkeypatch):
     assert compile.compiler_options("tpu", "kernels.bin") is None  # GPU only
 
 
+def spy_on_temporaries(monkeypatch) -> list:
+    """The compiler's memory statistics of each candidate compiled, as `temporaries`
+    is given them."""
+    seen: list = []
+    real = compile.temporaries
+    monkeypatch.setattr(
+        compile,
+        "temporaries",
+        lambda compiler, stats: seen.append(stats) or real(compiler, stats),
+    )
+    return seen
+
+
 @pytest.mark.skipif(not has_tpu_compiler(), reason="needs the TPU compiler")
 def test_a_tpu_plans_peak_is_the_compilers_own_not_the_sum_of_its_parts(monkeypatch):
     """The TPU compiler's ``temp_size_in_bytes`` counts its temporaries' fragmentation
@@ -188,13 +201,7 @@ def test_a_tpu_plans_peak_is_the_compilers_own_not_the_sum_of_its_parts(monkeypa
             h = jnp.tanh(h @ model.w[i])
         return (h**2).mean()
 
-    seen: list = []
-    real = compile.temporaries
-    monkeypatch.setattr(
-        compile,
-        "temporaries",
-        lambda compiler, stats: seen.append(stats) or real(compiler, stats),
-    )
+    seen = spy_on_temporaries(monkeypatch)
     x = jax.ShapeDtypeStruct((8 * 4096, 2048), jnp.float32)
     plans = nnx_sharding.plan(
         nnx.grad(loss), nnx.eval_shape(Stack), x, devices=8, accelerator="v5e:2x4", layouts=["dp"]
@@ -220,13 +227,7 @@ def test_offloaded_activations_are_the_hosts_memory_and_hide_under_the_kernels(m
 
     from nnx_sharding.plan import DECODER_CONFIGS, decoder_builder, search
 
-    seen: list = []
-    real = compile.temporaries
-    monkeypatch.setattr(
-        compile,
-        "temporaries",
-        lambda compiler, stats: seen.append(stats) or real(compiler, stats),
-    )
+    seen = spy_on_temporaries(monkeypatch)
     config = dataclasses.replace(
         DECODER_CONFIGS["llama3-8b"], vocab=1024, layers=4, batch=16, seq_len=1024,
         d_model=1024, heads=8, kv_heads=8, mlp=4096,
