@@ -330,7 +330,8 @@ class MoE(nnx.Module):
         rngs: nnx.Rngs,
     ):
         _check_options(experts, k, capacity_factor, grouped)
-        self.k, self.capacity_factor, self.renormalize = k, capacity_factor, renormalize
+        self.experts, self.k = experts, k
+        self.capacity_factor, self.renormalize = capacity_factor, renormalize
         self.grouped, self.activation = grouped, activation
         # the names are metadata only: `nnx_sharding.shard(layer, mesh, rules=RULES)`
         # places the weights, whatever mesh is in context now
@@ -351,7 +352,7 @@ class MoE(nnx.Module):
         """
         if self.capacity_factor is None:
             return None
-        return capacity(seq, self.gate.shape[0], self.k, self.capacity_factor)
+        return capacity(seq, self.experts, self.k, self.capacity_factor)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         weights = {n: p[...] for n, p in vars(self).items() if isinstance(p, nnx.Param)}

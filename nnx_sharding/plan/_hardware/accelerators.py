@@ -321,7 +321,7 @@ PRESETS: Mapping[str, Accelerator] = MappingProxyType(
         # TPU v6e (Trillium): 918 TFLOP/s bf16, 32 GB HBM at 1,640 GB/s, 2-D torus,
         # ICI 1e11 per link one way; 8 chips per host. Its memory is what the TPU
         # compiler lets a program use ("exceeds available HBM (31.25G)"), 31.25 GiB.
-        "v6e": _tpu("v6e", 918e12, 31.25 * _GIB, 1.64e12, 2 * 1e11, 2.5e10 / 8, 8, 16),
+        "v6e": _tpu("v6e", 918e12, int(31.25 * _GIB), 1.64e12, 2 * 1e11, 2.5e10 / 8, 8, 16),
         # A nominal CPU device, for plans compiled on simulated CPU devices: the figures
         # only rank candidates; they describe no particular machine.
         "cpu": Accelerator(
