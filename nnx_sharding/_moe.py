@@ -148,24 +148,44 @@ def moe(
     return _auto_axes(body, x)(x, weights)
 
 
-def _check_options(experts: int, k: object, cf: object, grouped: object) -> None:
+def check_options(
+    experts: int,
+    k: object,
+    capacity_factor: object,
+    grouped: object = "ragged",
+    seq: int | None = None,
+    owner: tuple[str, str] = ("MoE", "k"),
+) -> None:
+    """Raises the message of the first option a layer of ``experts`` cannot take: ``k``
+    outside ``1..experts``, an unknown ``grouped``, a capacity factor that is not
+    positive or (given ``seq``) leaves each expert no token. ``owner``: who takes them,
+    and its name for ``k`` (`DecoderConfig`'s is ``experts_per_token``).
+
+    >>> check_options(8, 9, None)
+    Traceback (most recent call last):
+    ValueError: MoE: k: 9 experts per token, with 8 experts
+    ...
+    """
+    transform, argument = owner
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= experts:
-        raise ValueError(_errors.moe_bad_k(k, experts))
+        raise ValueError(_errors.moe_bad_k(k, experts, transform, argument))
     if grouped not in ("ragged", "dense"):
         raise ValueError(_errors.moe_bad_grouped(grouped))
-    if cf is not None and (not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf <= 0):
-        raise ValueError(_errors.moe_bad_capacity(cf, None, experts, k))
+    cf = capacity_factor
+    if cf is None:
+        return
+    bad = not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf <= 0
+    if bad or (seq is not None and capacity(seq, experts, k, cf) < 1):  # type: ignore[arg-type]
+        raise ValueError(_errors.moe_bad_capacity(cf, seq, experts, k, transform))
 
 
 def _check(
     x: jax.Array, weights: dict[str, jax.Array], k: int, cf: float | None, grouped: str
 ) -> None:
     experts = weights["gate"].shape[0]
-    _check_options(experts, k, cf, grouped)
     if x.ndim != 3 or x.shape[-1] != weights["gate"].shape[1]:
         raise ValueError(_errors.moe_bad_input(x.shape, weights["gate"].shape[1]))
-    if cf is not None and capacity(x.shape[1], experts, k, cf) < 1:
-        raise ValueError(_errors.moe_bad_capacity(cf, x.shape[1], experts, k))
+    check_options(experts, k, cf, grouped, seq=x.shape[1])
     mesh = jax.sharding.get_abstract_mesh()
     sizes = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     if experts % sizes.get(EXPERT, 1):
@@ -205,13 +225,6 @@ def _constrain(x: jax.Array, *entries: tuple[str, ...]) -> jax.Array:
         return x
     spec = P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
     return jax.lax.with_sharding_constraint(x, spec)
-
-
-def _swiglu(x: jax.Array, w: dict[str, jax.Array], act: Callable, eq: str) -> jax.Array:
-    """The experts' SwiGLU by einsum ``eq`` (``'...d,...df->...f'`` style, then back)."""
-    up_eq, down_eq = eq.split(";")
-    h = act(jnp.einsum(up_eq, x, w["gate"])) * jnp.einsum(up_eq, x, w["up"])
-    return jnp.einsum(down_eq, h, w["down"])
 
 
 def _dropping(x, w, probs, chosen, *, capacity_factor: float, act: Callable) -> jax.Array:
@@ -329,7 +342,7 @@ class MoE(nnx.Module):
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        _check_options(experts, k, capacity_factor, grouped)
+        check_options(experts, k, capacity_factor, grouped)
         self.experts, self.k = experts, k
         self.capacity_factor, self.renormalize = capacity_factor, renormalize
         self.grouped, self.activation = grouped, activation

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 
 from ... import _errors
-from ..._moe import capacity
+from ..._moe import check_options
 from .attention import ATTENTION
 from .remat import REMAT_POLICIES
 
@@ -117,17 +117,10 @@ class DecoderConfig:
                 raise ValueError(_errors.decoder_bad_size(field, value))
         if not self.experts:
             return
-        k = self.experts_per_token
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.experts:
-            raise ValueError(
-                _errors.moe_bad_k(k, self.experts, "DecoderConfig", "experts_per_token")
-            )
-        cf = self.capacity_factor
-        bad = not isinstance(cf, (int, float)) or isinstance(cf, bool) or cf <= 0
-        if cf is not None and (bad or capacity(self.seq_len, self.experts, k, cf) < 1):
-            raise ValueError(
-                _errors.moe_bad_capacity(cf, self.seq_len, self.experts, k, "DecoderConfig")
-            )
+        check_options(
+            self.experts, self.experts_per_token, self.capacity_factor, seq=self.seq_len,
+            owner=("DecoderConfig", "experts_per_token"),
+        )  # fmt: skip
 
     @property
     def moe_mlp(self) -> int:

@@ -93,8 +93,7 @@ def _attention(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array], rope: An
 
 def _mlp(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
     if c.experts:  # the router's loss is left out: see DecoderConfig.experts
-        names = ("router", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")
-        weights = {n: w[n] for n in names if n in w}
+        weights = {n: w[n] for n in MOE_NAMES if n in w}
         y, _ = moe(h, weights, c.experts_per_token, capacity_factor=c.capacity_factor,
                    activation=ACTIVATIONS[c.activation])  # fmt: skip
         return y
