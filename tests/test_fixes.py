@@ -106,6 +106,12 @@ sizes = dict(experts=8, mlp=16, rngs=nnx.Rngs(0))
 x = jnp.ones((2, 12, 8))
 """
 
+CONTEXT = """
+cmesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Auto,))
+q, kv = jnp.ones((1, 64, 4, 16)), jnp.ones((1, 64, 2, 16))
+attend = nnx_sharding.plan.context_attention
+"""
+
 PIPELINE = """
 @nnx.split_rngs(splits=8)
 @nnx.vmap
@@ -1319,6 +1325,25 @@ CASES = [
         check="close(y, reference)",
     ),
     # --- MoE ----------------------------------------------------------------------------------
+    Case(
+        "context_ulysses_heads",
+        1,
+        CONTEXT,
+        "with jax.set_mesh(cmesh):\n    out = attend(q, kv, kv, context_strategy='ulysses')",
+        "with jax.set_mesh(cmesh):\n    out = attend(q, kv, kv, context_strategy='all_gather')",
+        ValueError,
+        check="assert out.shape == q.shape",
+    ),
+    Case(
+        "context_bad_seq",
+        1,
+        CONTEXT,
+        "with jax.set_mesh(cmesh):\n    out = attend(q[:, :60], kv[:, :60], kv[:, :60])",
+        "seq_len=64\nwith jax.set_mesh(cmesh):\n"
+        "    out = attend(q[:, :seq_len], kv[:, :seq_len], kv[:, :seq_len])",
+        ValueError,
+        check="assert out.shape == q.shape",
+    ),
     Case(
         "moe_bad_k",
         1,

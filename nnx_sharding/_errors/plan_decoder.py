@@ -15,6 +15,8 @@ from .layout import (
 )
 
 __all__ = [
+    "context_bad_seq",
+    "context_ulysses_heads",
     "decoder_bad_choice",
     "decoder_bad_kv_heads",
     "decoder_bad_size",
@@ -31,6 +33,7 @@ _CHOSEN = {
     "activation": "the MLP's activation",
     "param_dtype": "the parameters' dtype",
     "compute_dtype": "the dtype of the matmuls and the activations",
+    "context_strategy": "the context-parallel attention strategy (CONTEXT_STRATEGIES)",
 }
 """What each field `decoder_bad_choice` is about chooses."""
 
@@ -96,4 +99,44 @@ def microbatches_indivisible(where: str, microbatches: object, batch: int) -> st
         )
     return microbatches_message(
         where, "microbatches", microbatches, batch, lambda k: f"microbatches={k}"
+    )
+
+
+def context_bad_seq(strategy: str, seq: int, parts: int, chunks: int) -> str:
+    """A sequence the ``context`` axis cannot split as ``strategy`` needs."""
+    balanced = chunks != parts
+    why = " (two per device, load-balanced)" if balanced else ""
+    fitting = [d for d in divisors(seq) if d > 1 and seq % (d * (2 if balanced else 1)) == 0]
+    return format_message(
+        "context_attention",
+        "seq_len",
+        [
+            f"a sequence of {seq} does not split into {chunks} equal chunks{why} over the "
+            f"'context' axis of {parts} devices"
+        ],  # fmt: skip
+        f"Rule: context parallelism with {strategy!r} splits the sequence into "
+        f"{'2 × context' if balanced else 'context'} equal chunks.",
+        [
+            f"make seq_len a multiple of {chunks}, e.g. `seq_len={seq + (-seq) % chunks}`.",
+            f"use a 'context' axis that fits the sequence: one of {listing(fitting)}.",
+        ],  # fmt: skip
+    )
+
+
+def context_ulysses_heads(heads: int, local_heads: int, parts: int) -> str:
+    """Ulysses with heads per device that the ``context`` axis does not divide."""
+    return format_message(
+        "context_attention",
+        "context_strategy",
+        [
+            f"'ulysses' splits each device's {local_heads} query heads (of {heads}) over the "
+            f"'context' axis of {parts}, which does not divide them"
+        ],  # fmt: skip
+        "Rule: Ulysses trades the sequence split for a split of the heads, so the heads on "
+        "each device must divide by the context axis.",
+        [
+            "use `context_strategy='all_gather'` (or 'ring'), which split the sequence only.",
+            f"use a 'context' axis that divides {local_heads}: one of "
+            f"{listing([d for d in divisors(local_heads) if d > 1][:8])}.",
+        ],  # fmt: skip
     )

@@ -28,6 +28,9 @@ from ._decoder.attention import causal_attention as causal_attention
 from ._decoder.configs import DECODER_CONFIGS as DECODER_CONFIGS
 from ._decoder.configs import DECODER_RULES as DECODER_RULES
 from ._decoder.configs import DecoderConfig as DecoderConfig
+from ._decoder.context_parallel import CONTEXT_STRATEGIES as CONTEXT_STRATEGIES
+from ._decoder.context_parallel import context_attention as context_attention
+from ._decoder.context_parallel import sequence_order as sequence_order
 from ._decoder.model import Decoder as Decoder
 from ._decoder.remat import REMAT_POLICIES as REMAT_POLICIES
 from ._decoder.remat import remat_policy as remat_policy
@@ -48,6 +51,7 @@ __all__ += ["ACTIVATION_RULES", "DECODER_CONFIGS", "DECODER_RULES", "REMAT_POLIC
 __all__ += ["Decoder", "DecoderConfig", "accumulate_gradients", "blockwise_attention"]
 __all__ += ["causal_attention", "constrain_activation", "decoder_builder", "make_train_step"]
 __all__ += ["remat_policy", "search", "Built", "REMAT_ORDER"]
+__all__ += ["CONTEXT_STRATEGIES", "context_attention", "sequence_order"]
 
 
 class _CallableModule(types.ModuleType):

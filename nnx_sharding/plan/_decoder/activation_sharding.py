@@ -17,11 +17,12 @@ import math
 from collections.abc import Mapping, Sequence
 
 import jax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 ACTIVATION_RULES: Mapping[str, tuple[str, ...]] = {
     "activation_batch": ("data", "fsdp", "expert"),
-    "activation_length": (),
+    "activation_length": ("context",),
     "activation_embed": ("model",),
     "activation_heads": ("model",),
     "activation_kv_heads": ("model",),
@@ -29,7 +30,7 @@ ACTIVATION_RULES: Mapping[str, tuple[str, ...]] = {
     "activation_vocab": ("model",),
 }
 """Each logical activation name and the mesh axes it goes over, where the mesh has them
-(``activation_length``: none; no sequence parallelism over a mesh axis of its own)."""
+(``activation_length``: the ``context`` axis, context parallelism's sequence split)."""
 
 
 def activation_spec(
@@ -76,4 +77,18 @@ def constrain_activation(
     (2, 3)
     """
     spec = activation_spec(x.shape, names, rules)
-    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+    return x if spec is None else place(x, spec)
+
+
+def place(x: jax.Array, spec: P) -> jax.Array:
+    """``x`` laid out as ``spec`` on the current mesh: ``jax.sharding.reshard`` where its
+    axes are all Explicit (a sharding constraint there only asserts), else a sharding
+    constraint.
+
+    >>> place(jax.numpy.ones(3), P()).shape
+    (3,)
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)

@@ -26,6 +26,7 @@ compile-only devices the planner uses (no accelerator present):
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -109,16 +110,30 @@ def splash_attention(
     """`attention` by Pallas's TPU splash kernel, batch and heads split over the mesh
     as the activations are (``activation_batch``, ``activation_heads``); ``interpret``
     runs the kernel in Pallas's interpreter (any backend: how it is tested)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
-    b, s, h, d = q.shape
+    h = q.shape[2]
     spec = activation_spec(q.shape, ("activation_batch", None, "activation_heads", None))
     entries = (*(spec or ()), None, None, None, None)
-    batch_axes, head_axes = entries[0], entries[2]
+    head_axes = entries[2]
     if head_axes is not None and k.shape[2] % (h // _local(h, head_axes)):
         # kv heads that the heads' split does not divide: every query head gets its copy
         k, v = (jnp.repeat(t, h // k.shape[2], axis=2) for t in (k, v))
+    local = functools.partial(splash_local, interpret=interpret)
+    if spec is None:
+        return local(q, k, v)
+    part = P(entries[0], None, head_axes)
+    return jax.shard_map(
+        local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(part, part, part),
+        out_specs=part, check_vma=False,
+    )(q, k, v)  # fmt: skip
+
+
+def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """Splash attention on one device's arrays (no mesh): the kernel `splash_attention`
+    and the context-parallel Ulysses strategy run."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    s, d = q.shape[1], q.shape[3]
     q = q * jnp.asarray(1 / math.sqrt(d), q.dtype)
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
     block = 512 if s % 512 == 0 else 128
@@ -126,28 +141,16 @@ def splash_attention(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
         block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
     )  # fmt: skip
-
-    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        mask = sm.MultiHeadMask([sm.CausalMask((s, s))] * q.shape[1])
-        kernel = sk.make_splash_mha(
-            mask,
-            head_shards=1,
-            q_seq_shards=1,
-            block_sizes=sizes,
-            interpret=interpret,
-            residual_checkpoint_name="context",  # saved with the output by dots_with_context
-        )
-        out: jax.Array = jax.vmap(kernel)(q, k, v)  # type: ignore[assignment]
-        return out
-
-    if spec is None:
-        out = local(q, k, v)
-    else:
-        part = P(batch_axes, head_axes)
-        out = jax.shard_map(
-            local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(part, part, part),
-            out_specs=part, check_vma=False,
-        )(q, k, v)  # fmt: skip
+    mask = sm.MultiHeadMask([sm.CausalMask((s, s))] * q.shape[1])
+    kernel = sk.make_splash_mha(
+        mask,
+        head_shards=1,
+        q_seq_shards=1,
+        block_sizes=sizes,
+        interpret=interpret,
+        residual_checkpoint_name="context",  # saved with the output by dots_with_context
+    )
+    out: jax.Array = jax.vmap(kernel)(q, k, v)  # type: ignore[assignment]
     return jnp.swapaxes(out, 1, 2)
 
 
@@ -174,39 +177,66 @@ def triton_attention(
     split over the mesh as the activations are; ``interpret`` runs it in Pallas's
     interpreter (any backend: how it is tested). Key and value heads are repeated to
     the query heads (the kernel has no grouped-query form)."""
-    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
-
-    h, d = q.shape[2], q.shape[3]
-    if k.shape[2] != h:
-        k, v = (jnp.repeat(t, h // k.shape[2], axis=2) for t in (k, v))
     spec = activation_spec(q.shape, ("activation_batch", None, "activation_heads", None))
-
-    def local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        out: jax.Array = gpu_attention.mha(
-            q, k, v, segment_ids=None, sm_scale=1 / math.sqrt(d), causal=True,
-            interpret=interpret,
-        )  # fmt: skip
-        return out
-
+    local = functools.partial(triton_local, interpret=interpret)
     if spec is None:
         return local(q, k, v)
+    if k.shape[2] != q.shape[2]:  # repeated before the split, as the kernel's heads are
+        k, v = (jnp.repeat(t, q.shape[2] // k.shape[2], axis=2) for t in (k, v))
     return jax.shard_map(
         local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec, spec, spec),
         out_specs=spec, check_vma=False,
     )(q, k, v)  # fmt: skip
 
 
+def triton_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """Pallas's GPU attention on one device's arrays (no mesh), key and value heads
+    repeated to the query heads."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    h, d = q.shape[2], q.shape[3]
+    if k.shape[2] != h:
+        k, v = (jnp.repeat(t, h // k.shape[2], axis=2) for t in (k, v))
+    out: jax.Array = gpu_attention.mha(
+        q, k, v, segment_ids=None, sm_scale=1 / math.sqrt(d), causal=True, interpret=interpret,
+    )  # fmt: skip
+    return out
+
+
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str) -> jax.Array:
+    """Causal attention on one device's arrays (no mesh) by ``kernel``, as
+    `attention_kernel` names it (``'cudnn'`` falls back as `causal_attention` does)."""
+    if kernel == "splash":
+        return splash_local(q, k, v)
+    if kernel == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        except Exception:  # noqa: BLE001 - no GPU or cuDNN to trace for (compile-only)
+            kernel = "triton" if _triton_shapes(q.shape[1], q.shape[-1]) else "blockwise"
+    if kernel == "triton":
+        return triton_local(q, k, v)
+    return blockwise_attention(q, k, v)
+
+
 # --- blockwise attention in JAX (every target) ------------------------------------------------
 
 
-def _block(seq: int) -> int:
+def block_size(seq: int) -> int:
+    """The blockwise attention's block for a sequence: its largest divisor up to `BLOCK`."""
     return max(b for b in range(1, min(BLOCK, seq) + 1) if seq % b == 0)
 
 
-def _pairs(n: int) -> tuple[jax.Array, jax.Array]:
-    """The (query block, key block) pairs on or below the diagonal, row by row."""
-    rows = [(i, j) for i in range(n) for j in range(i + 1)]
-    return jnp.array([r[0] for r in rows], jnp.int32), jnp.array([r[1] for r in rows], jnp.int32)
+def causal_pairs(q_start: np.ndarray, k_start: np.ndarray, block: int) -> np.ndarray:
+    """The (query block, key block) pairs a causal mask leaves work in: key block ``j``
+    starts at or before query block ``i``'s last position; ``q_start`` and ``k_start``
+    are the blocks' first positions in the whole sequence. Shape (pairs, 2), row by row.
+
+    >>> causal_pairs(np.array([0, 2]), np.array([0, 2]), 2).tolist()
+    [[0, 0], [1, 0], [1, 1]]
+    """
+    rows = [(i, j) for i in range(len(q_start)) for j in range(len(k_start))
+            if k_start[j] <= q_start[i] + block - 1]  # fmt: skip
+    return np.array(rows, np.int32).reshape(-1, 2)
 
 
 def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -214,13 +244,13 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, s, kv_heads, h // kv_heads, d)
 
 
-def _scores(qi: jax.Array, kj: jax.Array, i: jax.Array, j: jax.Array, block: int) -> jax.Array:
-    """Scaled, causally masked scores of query block ``i`` and key block ``j``, float32,
-    (batch, kv_heads, group, block, block)."""
+def _scores(qi: jax.Array, kj: jax.Array, q0: jax.Array, k0: jax.Array) -> jax.Array:
+    """Scaled, causally masked scores of a query block starting at position ``q0`` and a
+    key block starting at ``k0``, float32, (batch, kv_heads, group, block, block)."""
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
     s = s / math.sqrt(qi.shape[-1])
-    rows = i * block + jnp.arange(block)[:, None]
-    cols = j * block + jnp.arange(block)[None, :]
+    rows = q0 + jnp.arange(qi.shape[1])[:, None]
+    cols = k0 + jnp.arange(kj.shape[1])[None, :]
     return jnp.where(cols <= rows, s, _NEG)
 
 
@@ -241,27 +271,42 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     >>> bool(jnp.allclose(blockwise_attention(q, k, k), ref))
     True
     """
-    return _blockwise(q, k, v)
+    block = block_size(q.shape[1])
+    start = np.arange(0, q.shape[1], block, dtype=np.int32)
+    return flash(q, k, v, jnp.asarray(start), jnp.asarray(start),
+                 jnp.asarray(causal_pairs(start, start, block)), block)  # fmt: skip
 
 
-@jax.custom_vjp
-def _blockwise(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    return _forward(q, k, v)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def flash(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
+    pairs: jax.Array, block: int,
+) -> jax.Array:  # fmt: skip
+    """Causal attention of ``q`` over ``k`` and ``v`` whose blocks of ``block`` start at
+    the positions ``q_start`` and ``k_start`` (int32, one per block: any order, as a
+    context-parallel device holds them), visiting only ``pairs`` (`causal_pairs`): the
+    blockwise attention's kernel, for any layout of the sequence."""
+    return flash_forward(q, k, v, q_start, k_start, pairs, block)[0]
 
 
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def flash_forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
+    pairs: jax.Array, block: int,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """`flash`'s output and its log-sum-exp (batch, kv_heads, group, seq), float32; a
+    query no pair reaches gets 0 and a log-sum-exp of ``_NEG`` (it attends to nothing
+    here: how a ring step's partial result merges)."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
-    block = _block(s)
     qg = _grouped(q, kvh)
     o = jnp.zeros(qg.shape, jnp.float32)  # (b, s, kvh, g, d)
     m = jnp.full((b, kvh, h // kvh, s), _NEG, jnp.float32)
     t0 = jnp.zeros_like(m)  # the running sum of exponentials
 
-    def step(carry: Any, ij: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
+    def step(carry: Any, ij: jax.Array) -> tuple[Any, None]:
         o, m, total = carry
-        i, j = ij
-        sc = _scores(_slice(qg, i, block, 1), _slice(k, j, block, 1), i, j, block)
+        i, j = ij[0], ij[1]
+        sc = _scores(_slice(qg, i, block, 1), _slice(k, j, block, 1), q_start[i], k_start[j])
         m_old, t_old = _slice(m, i, block, 3), _slice(total, i, block, 3)
         m_new = jnp.maximum(m_old, sc.max(-1))
         p = jnp.exp(sc - m_new[..., None])
@@ -276,37 +321,40 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.A
         total = _put(total, t_old * alpha + p.sum(-1), i, block, 3)
         return (o, m, total), None
 
-    (o, m, total), _ = jax.lax.scan(step, (o, m, t0), _pairs(s // block))
+    (o, m, total), _ = jax.lax.scan(step, (o, m, t0), pairs)
+    empty = total == 0
+    total = jnp.where(empty, 1.0, total)
     o = o / jnp.moveaxis(total, 3, 1)[..., None]
-    return o.reshape(b, s, h, d).astype(q.dtype), m + jnp.log(total)
+    lse = jnp.where(empty, _NEG, m + jnp.log(total))
+    return o.reshape(b, s, h, d).astype(q.dtype), lse
 
 
-def _fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    out, lse = _forward(q, k, v)
-    # named as splash's residuals are in MaxText: a remat policy that saves the
-    # attention's output ('context') keeps what the backward pass needs with it
-    out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
-    return out, (q, k, v, out, lse)
-
-
-def _bwd(res: tuple[jax.Array, ...], do: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q, k, v, out, lse = res
+def flash_backward(
+    res: tuple[jax.Array, ...], do: jax.Array, dlse: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The gradients of `flash`'s ``q``, ``k`` and ``v`` from the output's cotangent
+    ``do`` (and the log-sum-exp's, ``dlse``), given ``res``: ``(q, k, v, out, lse,
+    q_start, k_start, pairs, block)`` with ``out`` and ``lse`` those of the whole
+    attention (a ring step's gradients use the final ones)."""
+    q, k, v, out, lse, q_start, k_start, pairs, block = res
     b, s, h, d = q.shape
     kvh = k.shape[2]
-    block = _block(s)
     qg, og, dog = (_grouped(t, kvh) for t in (q, out, do))
-    # D_i = rowsum(dO ∘ O): the softmax's correction, (b, kvh, g, s)
+    # D_i = rowsum(dO ∘ O): the softmax's correction, (b, kvh, g, s); minus the
+    # log-sum-exp's cotangent (d lse / d s = p)
     delta = jnp.moveaxis(jnp.sum(dog.astype(jnp.float32) * og.astype(jnp.float32), -1), 1, 3)
+    if dlse is not None:
+        delta = delta - dlse
     dq = jnp.zeros(qg.shape, jnp.float32)
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
 
-    def step(carry: Any, ij: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
+    def step(carry: Any, ij: jax.Array) -> tuple[Any, None]:
         dq, dk, dv = carry
-        i, j = ij
+        i, j = ij[0], ij[1]
         qi, doi = _slice(qg, i, block, 1), _slice(dog, i, block, 1)
         kj, vj = _slice(k, j, block, 1), _slice(v, j, block, 1)
-        p = jnp.exp(_scores(qi, kj, i, j, block) - _slice(lse, i, block, 3)[..., None])
+        p = jnp.exp(_scores(qi, kj, q_start[i], k_start[j]) - _slice(lse, i, block, 3)[..., None])
         f32 = {"preferred_element_type": jnp.float32}
         dvj = jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), doi, **f32)
         dp = jnp.einsum("bqhgd,bkhd->bhgqk", doi, vj, **f32)
@@ -318,8 +366,24 @@ def _bwd(res: tuple[jax.Array, ...], do: jax.Array) -> tuple[jax.Array, jax.Arra
         dv = _put(dv, _slice(dv, j, block, 1) + dvj, j, block, 1)
         return (dq, dk, dv), None
 
-    (dq, dk, dv), _ = jax.lax.scan(step, (dq, dk, dv), _pairs(s // block))
+    (dq, dk, dv), _ = jax.lax.scan(step, (dq, dk, dv), pairs)
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-_blockwise.defvjp(_fwd, _bwd)
+def _fwd(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array, k_start: jax.Array,
+    pairs: jax.Array, block: int,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # fmt: skip
+    out, lse = flash_forward(q, k, v, q_start, k_start, pairs, block)
+    # named as splash's residuals are in MaxText: a remat policy that saves the
+    # attention's output ('context') keeps what the backward pass needs with it
+    out, lse = checkpoint_name(out, "context"), checkpoint_name(lse, "context")
+    return out, (q, k, v, out, lse, q_start, k_start, pairs)
+
+
+def _bwd(block: int, res: tuple[jax.Array, ...], do: jax.Array) -> tuple[Any, ...]:
+    dq, dk, dv = flash_backward((*res, block), do)
+    return dq, dk, dv, None, None, None
+
+
+flash.defvjp(_fwd, _bwd)

@@ -10,6 +10,7 @@ import jax
 from ... import _errors
 from ..._moe import check_options
 from .attention import ATTENTION
+from .context_parallel import CONTEXT_STRATEGIES
 from .remat import REMAT_POLICIES
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
@@ -68,6 +69,9 @@ class DecoderConfig:
     pipeline_repeats: int = 1
     """Under a mesh with a ``stage`` axis, the rounds each microbatch makes through the
     stages (1: GPipe; more: the circular schedule)."""
+    context_strategy: str = "all_gather"
+    """Under a mesh with a ``context`` axis (the sequence split over it), how attention
+    sees the whole sequence: one of `CONTEXT_STRATEGIES` (`context_attention`)."""
     experts: int = 0
     """Experts of each layer's mixture-of-experts MLP (`nnx_sharding.moe`); 0: a dense MLP.
     The router's load-balancing loss is not added to the step's loss: what it costs is
@@ -104,6 +108,7 @@ class DecoderConfig:
             "compute_dtype": DTYPES,
             "remat": list(REMAT_POLICIES),
             "attention": ATTENTION,
+            "context_strategy": CONTEXT_STRATEGIES,
         }
         for field, allowed in choices.items():
             value = getattr(self, field)

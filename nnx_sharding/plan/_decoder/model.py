@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -25,8 +26,8 @@ from ..._moe import NAMES as MOE_NAMES
 from ..._moe import moe, moe_shapes
 from ..._pipeline import pipeline, stage_count
 from .activation_sharding import constrain_activation as constrain
-from .attention import causal_attention
 from .configs import ACTIVATIONS, DecoderConfig
+from .context_parallel import context_attention, reorder, sequence_order
 from .remat import remat_policy
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
@@ -45,10 +46,11 @@ def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def _rope(seq: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """The rotary embedding's cosines and sines, (seq, head_dim / 2) float32."""
+def _rope(positions: Any, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """The rotary embedding's cosines and sines at ``positions`` (the sequence's order as
+    the devices hold it), (seq, head_dim / 2) float32."""
     inv = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv[None, :]
+    angles = jnp.asarray(positions, jnp.float32)[:, None] * inv[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -86,7 +88,8 @@ def _attention(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array], rope: An
     k = checkpoint_name(jnp.einsum("bsd,dhk->bshk", h, w["wk"]), "key_proj")
     v = checkpoint_name(jnp.einsum("bsd,dhk->bshk", h, w["wv"]), "value_proj")
     q, k, v = constrain(q, heads), constrain(k, kv_heads), constrain(v, kv_heads)
-    out = causal_attention(_rotate(q, rope), _rotate(k, rope), v, c.attention)
+    out = context_attention(_rotate(q, rope), _rotate(k, rope), v, c.context_strategy,
+                            c.attention)  # fmt: skip
     out = constrain(checkpoint_name(out, "context"), heads)
     return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, w["wo"]), "out_proj")
 
@@ -169,8 +172,13 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
+        seq = tokens.shape[1]
+        # under context parallelism, the sequence in the order the devices hold it
+        order = sequence_order(seq, c.context_strategy)
+        if order is not None:
+            tokens = reorder(tokens, order)
         x = constrain(self.embed[...][tokens].astype(dtype), RESIDUAL)
-        rope = _rope(tokens.shape[1], c.head_dim, c.rope_theta)
+        rope = _rope(np.arange(seq) if order is None else order, c.head_dim, c.rope_theta)
 
         def layer(x: jax.Array, block: Block) -> jax.Array:
             return block(x, rope)
@@ -189,6 +197,8 @@ class Decoder(nnx.Module):
         else:
             for block in layers:
                 x = layer(x, block)
+        if order is not None:  # back to the natural order, for the logits
+            x = constrain(reorder(x, np.argsort(order)), RESIDUAL)
         x = _rms_norm(x, self.final_norm[...], c.norm_eps)
         if c.tied:
             logits = jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(dtype))
