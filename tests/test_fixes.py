@@ -1288,7 +1288,7 @@ CASES = [
         "build({'remat': 'dots', 'pipeline': 2})",
         "built = build(\n"
         "    {'remat': 'none', 'microbatches': 1, 'pipeline_microbatches': None,"
-        " 'pipeline_repeats': 1}\n"
+        " 'pipeline_repeats': 1, 'context_strategy': 'all_gather'}\n"
         ")",
         ValueError,
         check="assert built.args[2].shape == (8, 65)",

@@ -385,10 +385,13 @@ def _run(
 
 
 def _decoder_builder(config: Any) -> Any:
-    """The decoder's builder (`decoder_builder`), declaring the remat policies it takes."""
+    """The decoder's builder (`decoder_builder`), declaring the remat policies and context
+    strategies it takes."""
+    from ..plan._decoder.context_parallel import CONTEXT_STRATEGIES
     from ..plan._decoder.remat import REMAT_POLICIES
     from ..plan._decoder.training import decoder_builder
 
     build = decoder_builder(config)
-    build.choices = {"remat": list(REMAT_POLICIES)}  # type: ignore[attr-defined]
+    choices = {"remat": list(REMAT_POLICIES), "context_strategy": list(CONTEXT_STRATEGIES)}
+    build.choices = choices  # type: ignore[attr-defined]
     return build

@@ -18,6 +18,10 @@ class Built:
     that published runs report; ``None`` where the builder does not know it.
     ``rules``: the logical axis rules of the step's sharding metadata, which `search`
     uses where it is given none (`decoder_builder` gives `DECODER_RULES`).
+    ``sequence``: the length of the sequence the step splits over a ``context`` axis
+    (its activations named ``activation_length``, as the decoder's are), which context-
+    parallel candidates must divide; None: the step splits no sequence, and `search`
+    proposes no context-parallel layout unless ``layouts`` names one.
 
     >>> Built(lambda x: x, (1.0,)).jit_options
     {}
@@ -28,3 +32,4 @@ class Built:
     jit_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model_flops: float | None = None
     rules: Sequence[tuple[str, str | None]] | None = None
+    sequence: int | None = None

@@ -42,6 +42,8 @@ class Step:
     expert: dict[int, dict[Path, P] | None] = dataclasses.field(default_factory=dict)
     """The experts dimension's spec over ``expert`` per graph-node argument, from the
     Variables' metadata (empty: no expert-parallel candidate can be built)."""
+    sequence: int | None = None
+    """The sequence the step splits over ``context`` (`Built.sequence`); None: none."""
 
     @property
     def batch(self) -> int | None:

@@ -10,6 +10,12 @@ all-reduce) both count as ``reduce-scatter``.
 A loop's body runs once per iteration: a collective or a matmul inside a ``while``
 (``jax.lax.scan``, ``nnx.scan``, ``fori_loop``) counts its loop's trip count times
 (`trip_count`), nested loops the product of theirs.
+
+The TPU compiler splits one collective into a chain of fusions that repeat its
+instruction (same ``channel_id``): an ``async-collective-start`` fusion, continuations
+(``async_collective_fusion``, often sunk into a later loop to overlap it, where they
+would otherwise count once per iteration) and an ``async-collective-done``. The chain is
+one collective, counted where it starts.
 """
 
 from __future__ import annotations
@@ -374,6 +380,7 @@ def collectives(text: str, devices: int) -> list[Collective]:
         for op in operands(ins.rest):
             users.setdefault((ins.computation, op), []).append(ins)
     pid = _partition_scalars(instrs)
+    continued = _continuations(instrs)
     # computations that a fusion named all-reduce-scatter calls (the TPU compiler's form)
     scatter_calls = {
         c
@@ -384,7 +391,7 @@ def collectives(text: str, devices: int) -> list[Collective]:
     found: list[Collective] = []
     for ins in instrs:
         kind = _OPCODES.get(ins.opcode)
-        if kind is None:
+        if kind is None or ins.computation in continued:
             continue
         groups = replica_groups(ins.rest, devices)
         sizes = _sizes(ins, kind, by_name)
@@ -406,6 +413,34 @@ def collectives(text: str, devices: int) -> list[Collective]:
         ]
         found += once * (times.get(ins.computation) or 1)
     return found
+
+
+_CHAIN = ("async_collective_fusion", "async-collective-done")
+"""How the TPU compiler names a chain's continuations (their computations) and its end
+(the fusion that calls it)."""
+
+
+def _continuations(instrs: list[Instr]) -> set[str]:
+    """The computations of the TPU compiler's chain continuations (`_CHAIN`) whose
+    collective a chain's ``async-collective-start`` also holds (the same channel)."""
+    started: set[str] = set()
+    chained: dict[str, str] = {}  # computation -> the fusion that calls it
+    for ins in instrs:
+        if ins.opcode == "fusion":
+            for callee in re.findall(r"calls=%?([\w.\-]+)", ins.rest):
+                chained[callee] = ins.name
+    channel: dict[str, str] = {}  # computation -> its collective's channel
+    for ins in instrs:
+        found = re.search(r"channel_id=(\d+)", ins.rest)
+        if ins.opcode in _OPCODES and found and ins.computation in chained:
+            channel[ins.computation] = found.group(1)
+            if chained[ins.computation].startswith("async-collective-start"):
+                started.add(found.group(1))
+    return {
+        c
+        for c, ch in channel.items()
+        if ch in started and (c.startswith(_CHAIN[0]) or chained[c].startswith(_CHAIN[1]))
+    }
 
 
 def _sizes(ins: Instr, kind: str, by_name: dict[tuple[str, str], Instr]) -> list[int]:

@@ -20,6 +20,7 @@ import re
 
 from .flops import matmul
 from .hlo import KINDS, Instr, control, instructions, operands, runs, shape_bytes
+from .host import is_transfer
 
 _BOOKKEEPING = frozenset(
     {
@@ -81,8 +82,8 @@ def ops(text: str) -> list[Op]:
     for ins in instrs:
         if owner.get(ins.computation) != ins.computation:  # inside a fusion, a reducer
             continue
-        if ins.opcode in _BOOKKEEPING or ins.opcode in _COLLECTIVE:
-            continue
+        if ins.opcode in _BOOKKEEPING or ins.opcode in _COLLECTIVE or is_transfer(ins):
+            continue  # (a host transfer is priced on the host link: `host`)
         called = _called(ins, code)
         flops, dtype = matmul(ins, shapes)
         for inner in called:

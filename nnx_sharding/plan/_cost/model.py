@@ -41,6 +41,7 @@ import numpy as np
 
 from ... import _errors
 from .hlo import Collective
+from .host import Transfer
 from .kernels import Op
 
 
@@ -50,6 +51,9 @@ class Memory:
     shardings), and from the compiler's ``memory_analysis``: ``arguments`` (all
     inputs), ``outputs``, ``alias`` (outputs written into donated inputs), ``temp``
     (see `_search.compile.temporaries`); ``peak`` = arguments + outputs - alias + temp.
+    ``host``: bytes per device the step keeps in the host's memory (activations
+    offloaded by the remat policy: the compiler's ``host_temp_size_in_bytes``), not in
+    ``peak``.
 
     >>> Memory(state=8, arguments=8, outputs=8, alias=8, temp=4).peak
     12
@@ -60,6 +64,7 @@ class Memory:
     outputs: int
     alias: int
     temp: int
+    host: int = 0
 
     @property
     def peak(self) -> int:
@@ -73,8 +78,10 @@ class Time:
     ``compute``: the kernels' FLOPs at the achievable FLOP/s; ``memory``: their bytes at
     the achievable HBM bandwidth; ``busy``: the sum of each kernel's slower bound (with
     neither given, the slower of the two sums); ``comms``: every collective, serially;
-    ``exposed``: the collectives' time not hidden under kernels; ``step_low`` and
-    ``step_high``: the range the model is sure of (``step`` where not given).
+    ``exposed``: the collectives' and host transfers' time not hidden under kernels;
+    ``host``: the transfers to and from the host's memory (offloaded activations), on
+    the host link, serially; ``step_low`` and ``step_high``: the range the model is sure
+    of (``step`` where not given).
 
     >>> t = Time(compute=1.0, memory=0.5, comms=0.4, exposed=0.1)
     >>> t.busy, t.step, t.serial, t.step_low
@@ -88,6 +95,7 @@ class Time:
     busy: float | None = None
     step_low: float | None = None
     step_high: float | None = None
+    host: float = 0.0
 
     def __post_init__(self) -> None:
         if self.busy is None:
@@ -272,18 +280,19 @@ class Program:
     mesh_shape: Mapping[str, int]
     topology: Topology | None = None
     entries: Mapping[str, int] | None = None
+    transfers: tuple[Transfer, ...] = ()
 
     def step(self, accelerator: Any) -> float:
         """The predicted step on ``accelerator`` (`Time.step`, without its range)."""
         e = _estimate(self.kernels, self.collectives, self.mesh_shape, accelerator,
-                      self.topology, self.entries, 1.0)  # fmt: skip
+                      self.topology, self.entries, 1.0, self.transfers)  # fmt: skip
         return e[2] + e[4]
 
     def time(self, accelerator: Any) -> Time:
         """The predicted `Time` on ``accelerator``."""
         return predict(
             self.kernels, self.collectives, self.mesh_shape, accelerator, self.topology,
-            self.entries,
+            self.entries, self.transfers,
         )  # fmt: skip
 
 
@@ -294,11 +303,13 @@ def predict(
     accelerator: Any,
     topology: Topology | None = None,
     entries: Mapping[str, int] | None = None,
+    transfers: Sequence[Transfer] = (),
 ) -> Time:
     """The predicted `Time` of one step on ``accelerator`` from the program's
     ``kernels`` (`kernels.ops`) and its collectives (`hlo.collectives`, one per run);
     ``entries``: how many times each program (a loop's body) is entered, for the loop's
-    first and last collective (default: once).
+    first and last collective (default: once); ``transfers``: its copies to and from
+    the host (`host.transfers`).
 
     >>> from nnx_sharding.plan._hardware.accelerators import PRESETS
     >>> gemm = Op("dot", "fusion", "main", 1, 2 * 4096**3, "bf16", 3 * 2 * 4096**2)
@@ -306,11 +317,12 @@ def predict(
     >>> t.compute == 2 * 4096**3 / (PRESETS["h100"].matmul_efficiency * 989e12)
     True
     """
-    nominal = _estimate(kernels, found, mesh_shape, accelerator, topology, entries, 1.0)
+    args = (kernels, found, mesh_shape, accelerator, topology, entries)
+    nominal = _estimate(*args, 1.0, transfers)
     spread = accelerator.spread
-    low = _estimate(kernels, found, mesh_shape, accelerator, topology, entries, 1 + spread)
-    high = _estimate(kernels, found, mesh_shape, accelerator, topology, entries, 1 - spread)
-    compute, memory, busy, comms, exposed, _ = nominal
+    low = _estimate(*args, 1 + spread, transfers)
+    high = _estimate(*args, 1 - spread, transfers)
+    compute, memory, busy, comms, exposed, _, host = nominal
     return Time(
         compute=compute,
         memory=memory,
@@ -319,6 +331,7 @@ def predict(
         busy=busy,
         step_low=min(low[2] + low[5], busy + exposed),
         step_high=max(high[2] + high[4], busy + exposed),
+        host=host,
     )
 
 
@@ -330,9 +343,12 @@ def _estimate(
     topology: Topology | None,
     entries: Mapping[str, int] | None,
     scale: float,
-) -> tuple[float, float, float, float, float, float]:
+    transfers: Sequence[Transfer] = (),
+) -> tuple[float, float, float, float, float, float, float]:
     """(compute, memory, busy, comms, exposed per program with edges, exposed pooled
-    over the whole step without edges), with every efficiency times ``scale``."""
+    over the whole step without edges, host transfers), with every efficiency times
+    ``scale``. A program's host transfers hide under its kernels as its collectives do
+    (another link, the same room: each is held against the kernels on its own)."""
     mm = min(accelerator.matmul_efficiency * scale, 1.0)
     hbm = min(accelerator.hbm_efficiency * scale, 1.0) * accelerator.hbm_bandwidth
     compute = memory = busy = 0.0
@@ -372,7 +388,16 @@ def _estimate(
         edges = (times[0] + (times[each - 1] if each > 1 else 0.0)) * entered
         exposed += min(total, max(0.0, total - per_program.get(program, 0.0)) + edges)
     pooled += max(0.0, sum(sum(t) for t in overlapped.values()) - busy)
-    return compute, memory, busy, comms, exposed, pooled
+    host = 0.0
+    if transfers and accelerator.host_bandwidth > 0:
+        link = min(accelerator.host_efficiency * scale, 1.0) * accelerator.host_bandwidth
+        per: dict[str, float] = {}
+        for t in transfers:
+            per[t.computation] = per.get(t.computation, 0.0) + t.bytes * t.runs / link
+        host = sum(per.values())
+        exposed += sum(max(0.0, s - per_program.get(p, 0.0)) for p, s in per.items())
+        pooled += max(0.0, host - busy)
+    return compute, memory, busy, comms, exposed, pooled, host
 
 
 def parse_bytes(text: str | int) -> int:

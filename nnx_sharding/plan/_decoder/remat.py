@@ -30,17 +30,22 @@ REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "dots_with_context": jax.checkpoint_policies.save_from_both_policies(
         _dots, jax.checkpoint_policies.save_only_these_names("context")
     ),
+    "context": jax.checkpoint_policies.save_only_these_names("context"),
     "offload_qkv": _offload(*OFFLOADED),
+    "offload_input": _offload("decoder_layer_input"),
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 """What each block keeps for the backward pass: ``none``, everything (no remat);
 ``dots``, the outputs of its weight matmuls (``checkpoint_dots_with_no_batch_dims``:
 MaxText's ``minimal``); ``dots_with_context``, those and the attention's output, named
-``'context'`` (MaxText's ``minimal_flash``); ``offload_qkv``, the block's input and its
-query, key, value and output projections moved to the host's memory and brought back
-for the backward pass, the rest recomputed (MaxText's ``custom`` policy with those five
-names set to ``offload``, as its Mixtral runs on v6e use it); ``full``, only the
-block's input."""
+``'context'`` (MaxText's ``minimal_flash``); ``context``, only the attention's output,
+the rest recomputed (what long-context runs keep: the attention is the one part whose
+recomputation grows with the sequence squared); ``offload_qkv``, the block's input and
+its query, key, value and output projections moved to the host's memory and brought
+back for the backward pass, the rest recomputed (MaxText's ``custom`` policy with those
+five names set to ``offload``, as its Mixtral and Llama 3.1 runs on v6e use it);
+``offload_input``, only the block's input moved to the host, the rest recomputed (its
+Llama 3.1 405B run's); ``full``, only the block's input, kept on the device."""
 
 
 def remat_policy(name: str) -> Callable[..., Any] | None:

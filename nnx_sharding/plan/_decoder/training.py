@@ -31,6 +31,7 @@ KNOBS: dict[str, Any] = {
     "microbatches": 1,
     "pipeline_microbatches": None,
     "pipeline_repeats": 1,
+    "context_strategy": "all_gather",
 }
 """The knobs `decoder_builder`'s ``build`` takes, and their defaults."""
 
@@ -112,12 +113,13 @@ def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Buil
     """A step builder for ``config``: ``build(knobs)`` gives the decoder's AdamW step
     with ``knobs`` applied (``remat``: a name in `REMAT_POLICIES`, default ``'none'``;
     ``microbatches``: gradient accumulation, default 1; ``pipeline_microbatches`` and
-    ``pipeline_repeats``: the pipeline's, under a mesh with a ``stage`` axis, see
+    ``pipeline_repeats``: the pipeline's, under a mesh with a ``stage`` axis;
+    ``context_strategy``: the attention's under a ``context`` axis; see
     `DecoderConfig`), its abstract arguments (the
     model, the optimizer, the ``(batch, seq_len + 1)`` int32 tokens; built with
     ``nnx.eval_shape``, never allocated), ``donate_argnums=(0, 1)``,
-    `DecoderConfig.model_flops` and `DECODER_RULES` (which `search` uses unless given
-    other ``rules``).
+    `DecoderConfig.model_flops`, `DECODER_RULES` (which `search` uses unless given
+    other ``rules``) and the sequence length (``sequence``: context parallelism splits it).
 
     >>> from nnx_sharding.plan import DECODER_CONFIGS
     >>> build = decoder_builder(DECODER_CONFIGS['tiny'])
@@ -137,6 +139,7 @@ def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Buil
             remat=knobs["remat"],
             pipeline_microbatches=knobs["pipeline_microbatches"],
             pipeline_repeats=knobs["pipeline_repeats"],
+            context_strategy=knobs["context_strategy"],
         )
         k = knobs["microbatches"]
         if not isinstance(k, int) or isinstance(k, bool) or k < 1 or c.batch % k:
@@ -157,6 +160,7 @@ def decoder_builder(config: DecoderConfig) -> Callable[[Mapping[str, Any]], Buil
             jit_options={"donate_argnums": (0, 1)},
             model_flops=c.model_flops(),
             rules=DECODER_RULES,
+            sequence=c.seq_len,
         )
 
     return build

@@ -78,6 +78,13 @@ class Accelerator:
             and v6e: the full 16x16 pod); 0 for none.
         spread: the relative uncertainty of the three efficiencies, which sets the range
             ``Time.step_low``..``Time.step_high``.
+        host_bandwidth: bytes per second one device moves to or from its host's memory
+            (the host link: PCIe), where offloaded activations go; 0: not known, and
+            host transfers are not priced.
+        host_efficiency: the fraction of ``host_bandwidth`` an offloaded activation's
+            copy achieves.
+        host_bytes: the host's memory per device (the host's RAM over its devices),
+            which the offloaded activations must fit in; 0: not known, not checked.
 
     >>> from nnx_sharding.plan._hardware.accelerators import PRESETS
     >>> h100 = PRESETS["h100"]
@@ -104,6 +111,9 @@ class Accelerator:
     kernel_overhead: float = 0.0
     torus_wrap: int = 0
     spread: float = 0.0
+    host_bandwidth: float = 0.0
+    host_efficiency: float = 1.0
+    host_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpu", "tpu", "cpu"):
@@ -123,6 +133,7 @@ class Accelerator:
             "matmul_efficiency": self.matmul_efficiency,
             "hbm_efficiency": self.hbm_efficiency,
             "link_efficiency": self.link_efficiency,
+            "host_efficiency": self.host_efficiency,
         }
         bad += [k for k, v in fractions.items() if not (0 < v <= 1)]
         latencies = {
@@ -130,6 +141,8 @@ class Accelerator:
             "inter_latency": self.inter_latency,
             "kernel_overhead": self.kernel_overhead,
             "torus_wrap": self.torus_wrap,
+            "host_bandwidth": self.host_bandwidth,
+            "host_bytes": self.host_bytes,
         }
         bad += [k for k, v in latencies.items() if not (v >= 0 and math.isfinite(v))]
         bad += [] if 0 <= self.spread < 1 else ["spread"]
@@ -219,6 +232,8 @@ def _dtype_name(dtype: object) -> str:
 
 _GB = 10**9
 _GIB = 2**30
+_GPU_HOST = (64e9, 250 * _GB)
+"""A GPU's host link and host memory: PCIe Gen5 x16 one way; a DGX's 2 TB over 8 GPUs."""
 
 
 #: Achievable fractions of peak on NVIDIA GPUs (sources in docs/planning/cost_model.md,
@@ -249,7 +264,8 @@ TPU_EFFICIENCY: dict[str, Any] = dict(
 )
 
 
-def _gpu(name: str, bf16: float, fp32: float, hbm: int, hbm_bw: float, nvlink: float, ib: float):
+def _gpu(name: str, bf16: float, fp32: float, hbm: int, hbm_bw: float, nvlink: float, ib: float,
+         host: tuple[float, int]):  # fmt: skip
     flops = {"bfloat16": bf16, "float16": bf16, "float32": fp32, "int8": 2 * bf16}
     if name in ("h100", "h200", "b200"):
         flops["float8_e4m3fn"] = flops["float8_e5m2"] = 2 * bf16
@@ -264,6 +280,8 @@ def _gpu(name: str, bf16: float, fp32: float, hbm: int, hbm_bw: float, nvlink: f
         intra_latency=5e-6,
         inter_latency=10e-6,
         devices_per_node=8,
+        host_bandwidth=host[0],
+        host_bytes=host[1],
         **GPU_EFFICIENCY,
     )
 
@@ -277,6 +295,7 @@ def _tpu(
     dcn: float,
     per_host: int,
     wrap: int,
+    host: tuple[float, int],
 ):
     return Accelerator(
         name=name,
@@ -291,6 +310,8 @@ def _tpu(
         inter_latency=10e-6,
         devices_per_node=per_host,
         torus_wrap=wrap,
+        host_bandwidth=host[0],
+        host_bytes=host[1],
         **TPU_EFFICIENCY,
     )
 
@@ -301,27 +322,55 @@ PRESETS: Mapping[str, Accelerator] = MappingProxyType(
         # NVIDIA H100 SXM5 data sheet: 989 TFLOP/s bf16 dense (1,979 is with sparsity),
         # 67 TFLOP/s fp32, 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s both ways; one
         # 400 Gb/s InfiniBand NIC per GPU across nodes (DGX H100).
-        "h100": _gpu("h100", 989e12, 67e12, 80 * _GB, 3.35e12, 450e9, 50e9),
-        # NVIDIA H200 SXM: the H100's compute, 141 GB HBM3e at 4.8 TB/s.
-        "h200": _gpu("h200", 989e12, 67e12, 141 * _GB, 4.8e12, 450e9, 50e9),
+        # Host link: PCIe Gen5 x16, 128 GB/s both ways (64e9 one way); host memory: a
+        # DGX H100's 2 TB over its 8 GPUs (Google Cloud's a3-highgpu-8g: 1,872 GB).
+        "h100": _gpu("h100", 989e12, 67e12, 80 * _GB, 3.35e12, 450e9, 50e9, _GPU_HOST),
+        # NVIDIA H200 SXM: the H100's compute, 141 GB HBM3e at 4.8 TB/s; the H100's
+        # host link (PCIe Gen5 x16) and a DGX H200's 2 TB of host memory.
+        "h200": _gpu("h200", 989e12, 67e12, 141 * _GB, 4.8e12, 450e9, 50e9, _GPU_HOST),
         # NVIDIA A100 SXM4 80GB: 312 TFLOP/s bf16, 19.5 fp32, 2,039 GB/s, NVLink 3
         # 600 GB/s both ways; 200 Gb/s HDR InfiniBand per GPU (DGX A100).
-        "a100-80gb": _gpu("a100-80gb", 312e12, 19.5e12, 80 * _GB, 2.039e12, 300e9, 25e9),
+        # PCIe Gen4 x16 (64 GB/s both ways); a DGX A100's 2 TB of host memory.
+        "a100-80gb": _gpu(
+            "a100-80gb", 312e12, 19.5e12, 80 * _GB, 2.039e12, 300e9, 25e9, (32e9, 250 * _GB)
+        ),  # fmt: skip
         # NVIDIA HGX B200: 2.25 PFLOP/s bf16 dense per GPU (18 PFLOP/s fp8 sparse per
         # 8), 75 TFLOP/s fp32, 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s both ways;
         # 400 Gb/s ConnectX-7 per GPU (DGX B200).
-        "b200": _gpu("b200", 2.25e15, 75e12, 180 * _GB, 8e12, 900e9, 50e9),
+        # PCIe Gen5 x16 to the host; a DGX B200's 2 TB of host memory (4 TB optional).
+        "b200": _gpu("b200", 2.25e15, 75e12, 180 * _GB, 8e12, 900e9, 50e9, _GPU_HOST),
         # Google Cloud TPU v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, 2-D torus;
         # ICI 1,600 Gb/s per chip over 4 links (5e10 B/s per link one way); 8 per host.
-        "v5e": _tpu("v5e", 197e12, 16 * _GB, 8.19e11, 2 * 5e10, 2.5e10 / 8, 8, 16),
+        # Host link: the JAX scaling book's 1.6e10 B/s of PCIe per chip; host memory: the
+        # ct5lp-hightpu-4t machine's 192 GB over its 4 chips.
+        "v5e": _tpu(
+            "v5e", 197e12, 16 * _GB, 8.19e11, 2 * 5e10, 2.5e10 / 8, 8, 16, (1.6e10, 48 * _GB)
+        ),  # fmt: skip
         # TPU v5p: 459 TFLOP/s bf16, 95 GiB HBM2e at 2,575 GiB/s, 3-D torus, ICI
         # 1,200 GB/s per chip both ways over 6 links (1e11 per link one way), DCN 50 Gb/s
         # per chip; 4 chips per host.
-        "v5p": _tpu("v5p", 459e12, 95 * _GIB, 2.765e12, 2 * 1e11, 6.25e9, 4, 4),
-        # TPU v6e (Trillium): 918 TFLOP/s bf16, 32 GB HBM at 1,640 GB/s, 2-D torus,
-        # ICI 1e11 per link one way; 8 chips per host. Its memory is what the TPU
-        # compiler lets a program use ("exceeds available HBM (31.25G)"), 31.25 GiB.
-        "v6e": _tpu("v6e", 918e12, int(31.25 * _GIB), 1.64e12, 2 * 1e11, 2.5e10 / 8, 8, 16),
+        # Host link: the scaling book's 1.6e10 B/s of PCIe per
+        # chip; host memory: 448 GB per 4-chip host (Google Cloud's TPU7x page's table).
+        "v5p": _tpu(
+            "v5p", 459e12, 95 * _GIB, 2.765e12, 2 * 1e11, 6.25e9, 4, 4, (1.6e10, 112 * _GB)
+        ),  # fmt: skip
+        # TPU v6e (Trillium), Google Cloud's v6e page: 918 TFLOP/s bf16, 32 GB HBM at
+        # 1,638 GB/s, 2-D torus, ICI 800 GB/s per chip both ways over 4 links (1e11 per
+        # link one way), DCN 100 Gb/s per chip; 8 chips per host (or 4). Its memory is
+        # what the TPU compiler lets a program use ("exceeds available HBM (31.25G)"),
+        # 31.25 GiB. Host link: PCIe Gen5, the scaling book's 3.2e10 B/s per chip; host
+        # memory: the ct6e-standard-4t machine's 720 GB over its 4 chips.
+        "v6e": _tpu(
+            "v6e", 918e12, int(31.25 * _GIB), 1.638e12, 2 * 1e11, 12.5e9, 8, 16, (3.2e10, 180 * _GB)
+        ),  # fmt: skip
+        # TPU7x (Ironwood), Google Cloud's TPU7x page, per chip: 2,307 TFLOP/s bf16, 192 GB
+        # HBM at 7,380 GB/s, 3-D torus, ICI 1,200 GB/s both ways (6 links: 1e11 one
+        # way each), DCN 100 Gb/s; 4 chips and 960 GB per host. jax sees each chip as
+        # two devices (its two TensorCores), so every figure here is half the chip's.
+        # Its PCIe link is not published: v6e's 3.2e10 per chip, shared by its two.
+        "tpu7x": _tpu(
+            "tpu7x", 2307e12 / 2, 96 * _GB, 3.69e12, 1e11, 6.25e9, 8, 4, (1.6e10, 120 * _GB)
+        ),  # fmt: skip
         # A nominal CPU device, for plans compiled on simulated CPU devices: the figures
         # only rank candidates; they describe no particular machine.
         "cpu": Accelerator(
@@ -348,6 +397,7 @@ _ALIASES = {
     "v5litepod": "v5e",
     "v5lite": "v5e",
     "trillium": "v6e",
+    "ironwood": "tpu7x",
     "tpu-v5e": "v5e",
     "tpu-v5p": "v5p",
     "tpu-v6e": "v6e",

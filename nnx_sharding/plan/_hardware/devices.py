@@ -41,7 +41,10 @@ Compiler = Literal["tpu", "gpu", "cpu"]
 GPU_TARGETS = ("h100", "h200", "a100-80gb", "b200")
 
 # Torus dimensions of the TPU generations get_topology_desc knows (2-D: v5e, v6e).
-_TPU_DIMS = {"v5e": 2, "v6e": 2, "v5p": 3, "v4": 3}
+_TPU_DIMS = {"v5e": 2, "v6e": 2, "v5p": 3, "v4": 3, "tpu7x": 3}
+_DEVICES_PER_CHIP = {"tpu7x": 2}
+"""TPU generations whose chips jax sees as more than one device (Ironwood's two
+TensorCores)."""
 
 
 def has_tpu_compiler() -> bool:
@@ -209,7 +212,8 @@ def _tpu_devices(
             )
         )
     else:
-        names = default_tpu_topology(generation, n // num_slices)
+        per_chip = _DEVICES_PER_CHIP.get(generation, 1)
+        names = default_tpu_topology(generation, max(n // num_slices // per_chip, 1))
     failures = []
     for name in names:
         try:

@@ -17,6 +17,7 @@ from ..._jit import jit
 from ..._state_sharding import AtPath, StateSharding
 from .._cost.flops import dot_flops
 from .._cost.hlo import collectives, entered, instructions, summary
+from .._cost.host import Transfer, transfers
 from .._cost.kernels import ops
 from .._cost.model import Memory, Program, Topology
 from .._cost.overlap import hidden
@@ -24,7 +25,8 @@ from .._hardware.devices import mesh_in_order
 from .._hardware.stderr import offset, since
 from .._plan import Plan, bind
 from .._step import Step
-from .layouts import DATA_AXES, EXPERT, STAGE, Candidate, data_spec, node_specs
+from .knobs import BALANCED
+from .layouts import CONTEXT, DATA_AXES, EXPERT, STAGE, Candidate, data_spec, node_specs
 
 
 def in_shardings(step: Step, candidate: Candidate) -> tuple[tuple[Any, ...], list[str]]:
@@ -122,6 +124,27 @@ def bubble_note(candidate: Candidate, knobs: Mapping[str, Any]) -> str | None:
     )
 
 
+def context_problem(step: Step, candidate: Candidate) -> str | None:
+    """Why ``candidate``'s ``context`` axis cannot split ``step``'s sequence, or None:
+    the sequence must split into ``context`` chunks, twice as many for the
+    load-balanced strategies (`BALANCED`, the ``context_strategy`` knob's, by default
+    ``all_gather``). A step that names no sequence (`Built.sequence`) is compiled as
+    given."""
+    parts = candidate.mesh_shape.get(CONTEXT, 1)
+    seq = step.sequence
+    if parts <= 1 or seq is None:
+        return None
+    strategy = step.knobs.get("context_strategy", "all_gather")
+    chunks = parts * (2 if strategy in BALANCED else 1)
+    if seq % chunks == 0:
+        return None
+    how = " (two per device: load-balanced)" if chunks > parts else ""
+    return (
+        f"the sequence of {seq} does not split into {chunks} chunks{how} over "
+        f"context={parts} with context_strategy={strategy}"
+    )
+
+
 def listed(step: Step, candidate: Candidate, specs: Any = (), **fields: Any) -> Plan:
     """A `Plan` of ``candidate`` without the compiler's figures (``fields`` say why)."""
     n = math.prod(candidate.mesh_shape.values())
@@ -157,6 +180,9 @@ def precheck(step: Step, candidate: Candidate, prune: bool | str) -> Plan | None
         return listed(step, candidate, specs, reason=NO_STAGES)
     if EXPERT in candidate.mesh_shape and not step.expert:
         return listed(step, candidate, specs, reason=NO_EXPERTS)
+    problem = context_problem(step, candidate)
+    if problem is not None:
+        return listed(step, candidate, specs, reason=problem)
     count, batch, size = step.knobs.get("microbatches"), step.batch, candidate.data_parallel
     if count and batch and not problems and (batch // count) % size:
         named = ",".join(
@@ -222,6 +248,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         outputs=int(stats.output_size_in_bytes),
         alias=int(stats.alias_size_in_bytes),
         temp=temporaries(step.compiler, stats),
+        host=int(getattr(stats, "host_temp_size_in_bytes", 0) or 0),
     )
     if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
         flops = dot_flops(text)
@@ -233,12 +260,8 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         flops, note = _per_iteration(text, flops)
         notes += [note] if note else []
     notes += check_memory(memory, flops)
-    host = int(getattr(stats, "host_temp_size_in_bytes", 0) or 0)
-    if host > 0:
-        notes.append(
-            f"{host / 2**30:.2f} GiB per device in the host's memory (offloaded activations), "
-            "beside the device's peak; their transfers are taken to hide under the kernels"
-        )
+    moved = transfers(text)
+    notes += host_notes(memory.host, moved, step)
     bubble = bubble_note(candidate, step.knobs)
     notes += [bubble] if bubble else []
     if memory.arguments < state:  # the compiler under-reported its inputs: trust the shardings
@@ -257,11 +280,19 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         dict(candidate.mesh_shape),
         Topology.of(list(step.devices)[:n], step.accelerator.devices_per_node),
         entered(instrs),
+        tuple(moved),
     )
     over = memory.peak - step.limit
     too_big = (
         f"needs {memory.peak:,} bytes per device, {over:,} more than the limit of {step.limit:,}"
     )
+    host_limit = step.accelerator.host_bytes
+    if over <= 0 and host_limit and memory.host > host_limit:
+        over = memory.host - host_limit
+        too_big = (
+            f"needs {memory.host:,} bytes per device in the host's memory (offloaded "
+            f"activations), {over:,} more than the host's {host_limit:,} per device"
+        )
     return listed(
         step,
         candidate,
@@ -279,6 +310,28 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         fits=over <= 0,
         reason=None if over <= 0 else too_big,
     )
+
+
+def host_notes(host: int, moved: Sequence[Transfer], step: Step) -> list[str]:
+    """What a plan says of host offload: the host's bytes and how their transfers are
+    priced, or that the target's compiler did not offload what the remat policy names
+    (the CPU compiler keeps them on the device)."""
+    policy = step.knobs.get("remat")
+    if host <= 0 and not moved:
+        if isinstance(policy, str) and policy.startswith("offload"):
+            return [f"the {step.compiler} compiler does not offload to the host: remat="
+                    f"{policy}'s activations stay in the device's memory"]  # fmt: skip
+        return []
+    link = step.accelerator.host_bandwidth
+    priced = (
+        f"their {sum(t.bytes * t.runs for t in moved) / 2**30:.2f} GiB of transfers priced "
+        f"on the host link ({link / 1e9:g} GB/s), hidden under the layers' kernels where "
+        "they fit"
+        if link > 0
+        else "their transfers not priced (the accelerator's host_bandwidth is not known)"
+    )
+    return [f"{host / 2**30:.2f} GiB per device in the host's memory (offloaded "
+            f"activations), beside the device's peak; {priced}"]  # fmt: skip
 
 
 def temporaries(compiler: str, stats: Any) -> int:

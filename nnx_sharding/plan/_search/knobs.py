@@ -21,17 +21,27 @@ from typing import Any, NamedTuple
 
 from ... import _errors
 
-REMAT_ORDER = ("none", "dots_with_context", "dots", "full")
+REMAT_ORDER = ("none", "dots_with_context", "dots", "context", "full", "offload_input")
 """The remat policies the planner orders, by the names of `REMAT_POLICIES`, each keeping
-fewer activations than the one before: everything; the weight matmuls' outputs and the
-attention's (``dots_with_context``); the weight matmuls' outputs
-(``checkpoint_dots_with_no_batch_dims``); each layer's input (``nothing_saveable``).
-Each saves memory and recomputes more than the one before (measured for Llama 2 7B on 8
-H100s: docs/planning/decoder.md, its memory table)."""
+fewer activations on the device than the one before: everything; the weight matmuls'
+outputs and the attention's (``dots_with_context``); the weight matmuls' outputs
+(``checkpoint_dots_with_no_batch_dims``); the attention's output (``context``); each
+layer's input (``nothing_saveable``); nothing, the layer's input moved to the host
+(``offload_input``). Each saves device memory and recomputes (or, last, moves) more
+than the one before (measured for Llama 2 7B on 8 H100s: docs/planning/decoder.md, its
+memory table). ``offload_qkv`` is left out: it keeps as little on the device as
+``offload_input`` but recomputes less than ``full``, so whether it is faster than
+``full`` depends on the host link; it is always compiled."""
 KNOWN = ("remat", "microbatches")
 PIPELINE_KNOBS = ("pipeline_microbatches", "pipeline_repeats")
 """The pipeline's knobs (`nnx_sharding.pipeline`'s ``microbatches`` and ``repeats``):
 they act only under a ``stage`` axis."""
+CONTEXT_KNOBS = ("context_strategy",)
+"""Context parallelism's knob (the decoder's attention strategy): it acts only under a
+``context`` axis."""
+BALANCED = ("all_gather", "ring")
+"""The context strategies that lay the sequence out load-balanced, two chunks a device:
+the sequence must split into twice the ``context`` axis."""
 
 
 class Rank(NamedTuple):
@@ -176,8 +186,9 @@ def extensions(
     base = dict(knobs)
     out = []
     remat = base.get("remat", "none")
-    if "remat" in reads and remat in REMAT_ORDER and remat != REMAT_ORDER[-1]:
-        base["remat"] = REMAT_ORDER[-1]
+    lightest = "full"  # the host is not asked for unless the search names offloading
+    if "remat" in reads and remat in REMAT_ORDER[: REMAT_ORDER.index(lightest)]:
+        base["remat"] = lightest
         out.append(dict(base))
     if "microbatches" in reads and batch is not None:
         count = base.get("microbatches", 1) * 2

@@ -17,11 +17,16 @@ A layout is a rule per Variable:
 - ``ep`` and ``...+ep``: expert parallelism for Mixture-of-Experts models, the stacked
   experts' dimension over ``expert`` (where the Variables' metadata names it, through
   the rules), the other layouts' rules on the rest; ``expert`` splits the batch too.
+- ``cp`` and ``...+cp``: context parallelism for long sequences, the sequence split
+  over ``context`` (the step's activations named ``activation_length``: the decoder's
+  attention by its ``context_strategy``); the Variables are sharded over ``context``
+  with ``fsdp``, as MaxText shards them, and the batch is not split over it.
 
 Data arguments (arrays) have their leading dimension split over the data-parallel
 axes (``data``, ``fsdp``, ``expert``); with none of them (``tp``) they are replicated.
 
-Mesh axes are in the order ``data``, ``stage``, ``fsdp``, ``expert``, ``model``: the
+Mesh axes are in the order ``data``, ``stage``, ``fsdp``, ``context``, ``expert``,
+``model`` (MaxText's order): the
 devices are laid out node by node (`_hardware.devices.order_devices`), so the innermost
 axes sit inside a node (a GPU host, a TPU slice) and ``data`` and ``stage`` span the
 nodes: the data-parallel reduction crosses the slower network once per step, the
@@ -62,13 +67,23 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "dp+ep": ("data", "expert"),
     "dp+fsdp+ep": ("data", "fsdp", "expert"),
     "fsdp+tp+ep": ("fsdp", "expert", "model"),
+    "cp": ("context",),
+    "fsdp+cp": ("fsdp", "context"),
+    "dp+fsdp+cp": ("data", "fsdp", "context"),
+    "fsdp+tp+cp": ("fsdp", "context", "model"),
 }
 """Each layout's mesh axes, in mesh order (``model`` innermost: inside a node, then
-``expert``)."""
+``expert``, then ``context``)."""
 STAGE = "stage"
 """The pipeline's mesh axis (`nnx_sharding.pipeline`'s default)."""
 EXPERT = "expert"
 """Expert parallelism's mesh axis: a Mixture-of-Experts layer's experts split over it."""
+CONTEXT = "context"
+"""Context parallelism's mesh axis: the sequence split over it (the activations named
+``activation_length``), the Variables sharded over it as over ``fsdp``."""
+FSDP_AXES = ("fsdp", CONTEXT)
+"""The axes FSDP shards each Variable over, together, where the mesh has them: MaxText
+shards the weights over its ``context`` axis as over ``fsdp`` (the ``embed`` rule)."""
 LayoutSpec: TypeAlias = "str | tuple[str, Mapping[str, int]]"
 """A layout on every split (``'fsdp+tp'``) or one exact candidate
 (``('fsdp+tp', {'fsdp': 16, 'model': 4})``)."""
@@ -166,9 +181,10 @@ def exact_candidate(spec: Any, n: int) -> Candidate:
     return Candidate(name, {a: sizes[a] for a in axes})
 
 
-def shard_largest(shape: Sequence[int], spec: Sequence[Any], axis: str, size: int) -> tuple:
-    """``spec`` (padded to the rank) with ``axis`` on the largest free dimension ``size``
-    divides (the first of equals); unchanged where none does."""
+def shard_largest(shape: Sequence[int], spec: Sequence[Any], axis: Any, size: int) -> tuple:
+    """``spec`` (padded to the rank) with ``axis`` (a mesh axis, or a tuple of them) on the
+    largest free dimension ``size`` divides (the first of equals); unchanged where none
+    does."""
     spec = list(spec) + [None] * (len(shape) - len(spec))
     free = [d for d, n in enumerate(shape) if spec[d] is None and n % size == 0 and n >= size]
     if free and size > 1:
@@ -239,7 +255,8 @@ def node_specs(
     """Each Variable's PartitionSpec under ``candidate``, and the problems found
     (a tensor-parallel, pipeline or expert split its dimension does not divide).
     ``tp``, ``stage`` and ``expert``: the specs over ``model``, ``stage`` and
-    ``expert`` (`metadata_tp`); FSDP then takes the largest free dimension."""
+    ``expert`` (`metadata_tp`); FSDP then takes the largest free dimension, over
+    `FSDP_AXES` together where one dimension takes them, else over each it can."""
     mesh = candidate.mesh_shape
     layout = candidate.layout
     specs: dict[Path, P] = {}
@@ -258,8 +275,14 @@ def node_specs(
                         f"{where}{_path(path)}: dimension {dim} ({shape[dim]}) is not "
                         f"divisible by {axis!r} ({mesh[axis]})"
                     )
-        if "fsdp" in mesh:
-            spec = shard_largest(shape, spec, "fsdp", mesh["fsdp"])
+        fsdp = tuple(a for a in FSDP_AXES if a in mesh)
+        if fsdp:
+            together = shard_largest(shape, spec, fsdp if len(fsdp) > 1 else fsdp[0],
+                                     math.prod(mesh[a] for a in fsdp))  # fmt: skip
+            if together == spec:  # no dimension takes them together: each where it can
+                for axis in fsdp:
+                    together = shard_largest(shape, together, axis, mesh[axis])
+            spec = together
         elif layout == "zero1" and isinstance(var, nnx.OptState):
             spec = shard_largest(shape, spec, "data", mesh["data"])
         specs[path] = _trim(spec)

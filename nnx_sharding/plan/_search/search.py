@@ -23,8 +23,17 @@ from .._ranking import Plans
 from .._step import Step
 from .compile import compile_candidate, in_shardings, listed, precheck, state_bytes
 from .drive import drive
-from .knobs import PIPELINE_KNOBS, Reads, check_microbatches, extensions, label, points, rank
-from .layouts import EXPERT, STAGE, Candidate, LayoutSpec, Rules, candidates
+from .knobs import (
+    CONTEXT_KNOBS,
+    PIPELINE_KNOBS,
+    Reads,
+    check_microbatches,
+    extensions,
+    label,
+    points,
+    rank,
+)
+from .layouts import CONTEXT, EXPERT, STAGE, Candidate, LayoutSpec, Rules, candidates
 from .prepare import Target, check_layouts, has_optimizer_state, prepare, resolve_target
 from .pruning import Schedule
 
@@ -143,6 +152,8 @@ def explore(
         chosen = [c for c in chosen if STAGE not in c.mesh_shape]
     if given is None and not steps[0].expert:  # no experts' weights: no expert parallelism
         chosen = [c for c in chosen if EXPERT not in c.mesh_shape]
+    if given is None and steps[0].sequence is None:  # no sequence to split: no context
+        chosen = [c for c in chosen if CONTEXT not in c.mesh_shape]
     units = [(c, p) for c in range(len(chosen)) for p in range(len(steps))]
     early = {}
     for i, (c, p) in enumerate(units):
@@ -179,14 +190,18 @@ def same_programs(
     chosen: Sequence[Candidate],
     knob_points: Sequence[Mapping[str, Any]],
 ) -> dict[int, int]:
-    """Units whose program is another's: a candidate without a ``stage`` axis at knob
-    points that differ only in `PIPELINE_KNOBS`; each -> the first unit of its kind."""
+    """Units whose program is another's: a candidate at knob points that differ only in
+    knobs that act under an axis it lacks (`PIPELINE_KNOBS` without ``stage``,
+    `CONTEXT_KNOBS` without ``context``); each -> the first unit of its kind."""
     first: dict[Any, int] = {}
     same: dict[int, int] = {}
     for i, (c, p) in enumerate(units):
-        if STAGE in chosen[c].mesh_shape:
+        idle = (PIPELINE_KNOBS if STAGE not in chosen[c].mesh_shape else ()) + (
+            CONTEXT_KNOBS if CONTEXT not in chosen[c].mesh_shape else ()
+        )
+        if not idle:
             continue
-        rest = sorted((k, repr(v)) for k, v in knob_points[p].items() if k not in PIPELINE_KNOBS)
+        rest = sorted((k, repr(v)) for k, v in knob_points[p].items() if k not in idle)
         key = (c, tuple(rest))
         if key in first:
             same[i] = first[key]
@@ -224,7 +239,9 @@ def make_step(
     given = rules if rules is not None else built.rules  # the builder's, unless given
     step = prepare(built.step, built.args, built.jit_options, target, given, tp_cache)
     check_microbatches(knobs, step.batch)
-    return dataclasses.replace(step, knobs=dict(knobs), model_flops=built.model_flops)
+    return dataclasses.replace(
+        step, knobs=dict(knobs), model_flops=built.model_flops, sequence=built.sequence
+    )
 
 
 def _pruned(

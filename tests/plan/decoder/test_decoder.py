@@ -342,7 +342,7 @@ def test_the_builder_gives_the_step_its_abstract_arguments_and_model_flops():
          "(its divisors: 1, 2)"),
         (lambda: decoder_builder(SMALL)({"remat": "everything"}),
          "DecoderConfig: remat: 'everything' is not one of 'none', 'dots', "
-         "'dots_with_context', 'offload_qkv', 'full'"),
+         "'dots_with_context', 'context', 'offload_qkv', 'offload_input', 'full'"),
         (lambda: dataclasses.replace(SMALL, kv_heads=3),
          "DecoderConfig: kv_heads: 3 does not divide heads=4"),
         (lambda: dataclasses.replace(SMALL, activation="tanh"),
@@ -358,7 +358,7 @@ def test_the_builder_gives_the_step_its_abstract_arguments_and_model_flops():
          "DecoderConfig: experts_per_token: 5 experts per token, with 4 experts"),
         (lambda: nnx_sharding.plan.remat_policy("dot"),
          "remat_policy: name: 'dot' is not one of 'none', 'dots', 'dots_with_context', "
-         "'offload_qkv', 'full'"),
+         "'context', 'offload_qkv', 'offload_input', 'full'"),
     ],
 )  # fmt: skip
 def test_bad_knobs_and_configs_name_the_value_then_the_fixes(call, message):

@@ -31,7 +31,7 @@ from nnx_sharding.plan._search.prepare import prepare, resolve_target
 E, D, F, BATCH = 8, 32, 64, 32
 """Experts, width, each expert's units, batch: the experts' weights (E x D x F, twice)
 outweigh the router (D x E)."""
-MESH_ORDER = ("data", "stage", "fsdp", "expert", "model")
+MESH_ORDER = ("data", "stage", "fsdp", "context", "expert", "model")
 
 
 class MoE(nnx.Module):
