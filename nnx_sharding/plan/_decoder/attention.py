@@ -127,6 +127,18 @@ def splash_attention(
     )(q, k, v)  # fmt: skip
 
 
+def splash_blocks(seq: int) -> Any:
+    """Splash attention's block sizes for a (per-device) query sequence of ``seq``: 512
+    where it divides, else 128."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    block = 512 if seq % 512 == 0 else 128
+    return sk.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+
+
 def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = False) -> jax.Array:
     """Splash attention on one device's arrays (no mesh): the kernel `splash_attention`
     and the context-parallel Ulysses strategy run."""
@@ -136,11 +148,7 @@ def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = 
     s, d = q.shape[1], q.shape[3]
     q = q * jnp.asarray(1 / math.sqrt(d), q.dtype)
     q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-    block = 512 if s % 512 == 0 else 128
-    sizes = sk.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
-    )  # fmt: skip
+    sizes = splash_blocks(s)
     mask = sm.MultiHeadMask([sm.CausalMask((s, s))] * q.shape[1])
     kernel = sk.make_splash_mha(
         mask,
@@ -203,18 +211,21 @@ def triton_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = 
     return out
 
 
-def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str) -> jax.Array:
+def local_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, kernel: str, *, interpret: bool = False
+) -> jax.Array:
     """Causal attention on one device's arrays (no mesh) by ``kernel``, as
-    `attention_kernel` names it (``'cudnn'`` falls back as `causal_attention` does)."""
+    `attention_kernel` names it (``'cudnn'`` falls back as `causal_attention` does);
+    ``interpret``: Pallas's kernels in its interpreter."""
     if kernel == "splash":
-        return splash_local(q, k, v)
+        return splash_local(q, k, v, interpret=interpret)
     if kernel == "cudnn":
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         except Exception:  # noqa: BLE001 - no GPU or cuDNN to trace for (compile-only)
             kernel = "triton" if _triton_shapes(q.shape[1], q.shape[-1]) else "blockwise"
     if kernel == "triton":
-        return triton_local(q, k, v)
+        return triton_local(q, k, v, interpret=interpret)
     return blockwise_attention(q, k, v)
 
 
@@ -330,13 +341,14 @@ def flash_forward(
 
 
 def flash_backward(
-    res: tuple[jax.Array, ...], do: jax.Array, dlse: jax.Array | None = None
+    res: tuple[Any, ...], do: jax.Array, dlse: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The gradients of `flash`'s ``q``, ``k`` and ``v`` from the output's cotangent
     ``do`` (and the log-sum-exp's, ``dlse``), given ``res``: ``(q, k, v, out, lse,
     q_start, k_start, pairs, block)`` with ``out`` and ``lse`` those of the whole
     attention (a ring step's gradients use the final ones)."""
-    q, k, v, out, lse, q_start, k_start, pairs, block = res
+    q, k, v, out, lse, q_start, k_start, pairs = res[:8]
+    block: int = res[8]
     b, s, h, d = q.shape
     kvh = k.shape[2]
     qg, og, dog = (_grouped(t, kvh) for t in (q, out, do))

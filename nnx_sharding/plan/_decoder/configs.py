@@ -11,7 +11,7 @@ from ... import _errors
 from ..._moe import check_options
 from .attention import ATTENTION
 from .context_parallel import CONTEXT_STRATEGIES
-from .remat import REMAT_POLICIES
+from .remat import CUSTOM, REMAT_POLICIES, custom_places
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
 """The MLP's activation functions by name (SwiGLU is ``silu`` with ``gated=True``)."""
@@ -59,7 +59,8 @@ class DecoderConfig:
     """Stack the layers' weights and run them with ``nnx.scan``: compilers then build
     one layer, not ``layers`` of them."""
     remat: str = "none"
-    """The block's rematerialization policy, a name in `REMAT_POLICIES`."""
+    """The block's rematerialization policy, a name in `REMAT_POLICIES` or a
+    ``'custom:NAME=WHERE,...'`` placement of the named activations (`remat_policy`)."""
     attention: str = "auto"
     """The attention kernel, one of `ATTENTION` (``auto``: the target's, see
     `attention_kernel`)."""
@@ -110,6 +111,9 @@ class DecoderConfig:
             "attention": ATTENTION,
             "context_strategy": CONTEXT_STRATEGIES,
         }
+        if isinstance(self.remat, str) and self.remat.startswith(CUSTOM):
+            custom_places(self.remat)  # checked here, the choices below are the names
+            choices.pop("remat")
         for field, allowed in choices.items():
             value = getattr(self, field)
             if value not in allowed:

@@ -17,10 +17,14 @@ Three strategies, as MaxText names them (``context_parallel_strategy``):
 Causal work is balanced for ``all_gather`` and ``ring`` (MaxText's
 ``context_parallel_load_balance``): the decoder lays the sequence out so that device
 ``i`` of ``C`` holds chunks ``i`` and ``2C-1-i`` of ``2C`` (`sequence_order`), and every
-device then has the same number of unmasked blocks. ``all_gather`` and ``ring`` run the
-blockwise attention (`flash`) on any target, since its blocks can start at any position;
-``ulysses`` runs the target's own kernel (splash on TPUs, cuDNN or Pallas's Triton
-kernel on GPUs).
+device then has the same number of unmasked blocks. On TPUs ``all_gather`` runs splash
+attention with that layout's causal mask (MaxText's ``LoadBalancedCausalMask``: each
+query at its position, split over ``context``); ``ulysses`` runs the target's own kernel
+over the whole sequence (splash on TPUs, cuDNN or Pallas's Triton kernel on GPUs).
+Elsewhere, and always for ``ring``, they run the blockwise attention (`flash`), whose
+blocks can start at any position: on TPUs the compiler stashes its causal masks in a
+buffer as long as the loop, so a ``ring`` plan there is priced far above what a ring
+kernel would take (MaxText's ring on TPUs is Tokamax's kernel, which jax does not ship).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from .attention import (
     flash_backward,
     flash_forward,
     local_attention,
+    splash_blocks,
 )
 
 CONTEXT = "context"
@@ -117,12 +122,15 @@ def check_strategy(strategy: str, seq: int, parts: int | None = None) -> None:
 
 def context_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, context_strategy: str = "all_gather",
-    implementation: str = "auto",
+    implementation: str = "auto", *, interpret: bool = False,
 ) -> jax.Array:  # fmt: skip
     """Causal attention (`causal_attention`'s contract) of a sequence split over the
     ``context`` axis of the mesh set with ``jax.set_mesh``, by ``context_strategy`` (one
     of `CONTEXT_STRATEGIES`), the sequence in `sequence_order`; without a context split,
-    `causal_attention` (``implementation``: its kernel, as there).
+    `causal_attention` (``implementation``: its kernel, as there). On TPUs ``all_gather``
+    runs splash attention with a load-balanced causal mask (as MaxText does) and
+    ``ulysses`` splash over the whole sequence; ``interpret`` runs splash in Pallas's
+    interpreter (any backend: how it is tested).
 
     Raises:
       ValueError: an unknown strategy, a sequence the strategy cannot split, or (for
@@ -139,30 +147,39 @@ def context_attention(
     if parts == 1:
         return causal_attention(q, k, v, implementation)
     names = ("activation_batch", "activation_length", "activation_heads", None)
-    spec = activation_spec(q.shape, names)
-    kv_spec = activation_spec(k.shape, (*names[:2], "activation_kv_heads", None))
+    spec = activation_spec(q.shape, names) or P()
+    kv_spec = activation_spec(k.shape, (*names[:2], "activation_kv_heads", None)) or P()
     if _heads_axes(spec) != _heads_axes(kv_spec):  # kv heads the head split does not divide
         k, v = (jnp.repeat(t, heads // k.shape[2], axis=2) for t in (k, v))
         kv_spec = spec
+    kernel = attention_kernel(implementation, seq, head_dim, q.dtype)
+    extra: tuple[Any, ...] = ()
+    splash: Any = None
     if strategy == "ulysses":
         local_heads = heads // _size(_heads_axes(spec))
         if local_heads % parts:
             raise ValueError(_errors.context_ulysses_heads(heads, local_heads, parts))
-        kernel = attention_kernel(implementation, seq, head_dim, q.dtype)
-        local: Any = functools.partial(_ulysses, parts=parts, kernel=kernel)
+        local: Any = functools.partial(_ulysses, parts=parts, kernel=kernel,
+                                       interpret=interpret)  # fmt: skip
+    elif strategy == "all_gather" and kernel == "splash" and (seq // parts) % 128 == 0:
+        heads_here = heads // _size(_heads_axes(spec))
+        splash, extra = _balanced_splash(seq, parts, heads_here, interpret)
+        natural = np.argsort(np.asarray(sequence_order(seq, strategy, parts)))
+        local = functools.partial(_all_gather_splash, natural)
     else:
         static = (seq, parts, block_size(seq // (2 * parts)))
         local = functools.partial(_all_gather if strategy == "all_gather" else _ring, static)
 
     @jax.jit  # inlined when traced; called eagerly, the arrays are placed on the mesh
-    def run(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, *extra: Any) -> jax.Array:
         q, k, v = place(q, spec), place(k, kv_spec), place(v, kv_spec)
         return jax.shard_map(
-            local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec, kv_spec, kv_spec),
-            out_specs=spec, check_vma=False,
-        )(q, k, v)  # fmt: skip
+            local, mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(spec, kv_spec, kv_spec, *extra_specs), out_specs=spec, check_vma=False,
+        )(q, k, v, *extra)  # fmt: skip
 
-    return run(q, k, v)
+    extra_specs: tuple[Any, ...] = (splash,) if extra else ()
+    return run(q, k, v, *extra)
 
 
 def _heads_axes(spec: Any) -> Any:
@@ -214,12 +231,50 @@ def _all_gather(
     return flash(q, k, v, starts, gathered, _mine(tables["pairs"]), tables["block"])
 
 
-def _ulysses(q: jax.Array, k: jax.Array, v: jax.Array, *, parts: int, kernel: str) -> jax.Array:
+def _balanced_splash(
+    seq: int, parts: int, heads: int, interpret: bool
+) -> tuple[Any, tuple[Any, ...]]:
+    """Splash's kernel for the load-balanced layout (MaxText's ``LoadBalancedCausalMask``):
+    the causal mask of the queries at `sequence_order`'s positions over the keys in order,
+    split over ``context`` by query; (its shard_map spec, (the kernel,))."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    mask = sm.CausalMask((seq, seq))
+    order = sequence_order(seq, "all_gather", parts)
+    assert order is not None
+    mask.q_sequence = order.astype(np.int32)  # each query's position in the sequence
+    kernel = sk.make_splash_mha(
+        sm.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=parts,
+        block_sizes=splash_blocks(seq // parts), residual_checkpoint_name="context",
+        interpret=interpret,
+    )  # fmt: skip
+    sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), P(None, CONTEXT))
+    return kernel.manual_sharding_spec(sharding), (kernel,)
+
+
+def _all_gather_splash(
+    natural: np.ndarray, q: jax.Array, k: jax.Array, v: jax.Array, kernel: Any
+) -> jax.Array:
+    """All-gather with splash: the gathered keys and values put back in order (the
+    devices hold them load-balanced), this device's queries against them."""
+    k, v = (jax.lax.all_gather(t, CONTEXT, axis=1, tiled=True)[:, natural] for t in (k, v))
+    if k.shape[2] != q.shape[2]:  # splash's multi-head form: a key and value per head
+        k, v = (jnp.repeat(t, q.shape[2] // k.shape[2], axis=2) for t in (k, v))
+    q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+    out: jax.Array = jax.vmap(kernel)(q, k, v)  # type: ignore[assignment]
+    return jnp.swapaxes(out, 1, 2)
+
+
+def _ulysses(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, parts: int, kernel: str, interpret: bool
+) -> jax.Array:
     if k.shape[2] % parts:  # kv heads the context axis does not divide: one per query head
         k, v = (jnp.repeat(t, q.shape[2] // k.shape[2], axis=2) for t in (k, v))
     # the sequence split traded for a head split, attention, and back
     q, k, v = (jax.lax.all_to_all(t, CONTEXT, 2, 1, tiled=True) for t in (q, k, v))
-    out = local_attention(q, k, v, kernel)
+    out = local_attention(q, k, v, kernel, interpret=interpret)
     return jax.lax.all_to_all(out, CONTEXT, 1, 2, tiled=True)
 
 

@@ -100,10 +100,11 @@ def _mlp(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
         y, _ = moe(h, weights, c.experts_per_token, capacity_factor=c.capacity_factor,
                    activation=ACTIVATIONS[c.activation])  # fmt: skip
         return y
-    a = ACTIVATIONS[c.activation](h @ w["gate" if c.gated else "up"])
+    a = ACTIVATIONS[c.activation](checkpoint_name(h @ w["gate" if c.gated else "up"], "mlpwi_0"))
     if c.gated:
-        a = a * (h @ w["up"])
-    return constrain(a, ("activation_batch", "activation_length", "activation_mlp")) @ w["down"]
+        a = a * checkpoint_name(h @ w["up"], "mlpwi_1")
+    a = constrain(a, ("activation_batch", "activation_length", "activation_mlp"))
+    return checkpoint_name(a @ w["down"], "mlpwo")
 
 
 def _block(c: DecoderConfig, x: jax.Array, w: dict[str, jax.Array], rope: Any) -> jax.Array:

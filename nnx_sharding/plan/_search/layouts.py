@@ -275,9 +275,9 @@ def node_specs(
                         f"{where}{_path(path)}: dimension {dim} ({shape[dim]}) is not "
                         f"divisible by {axis!r} ({mesh[axis]})"
                     )
-        fsdp = tuple(a for a in FSDP_AXES if a in mesh)
+        fsdp = [a for a in FSDP_AXES if a in mesh]
         if fsdp:
-            together = shard_largest(shape, spec, fsdp if len(fsdp) > 1 else fsdp[0],
+            together = shard_largest(shape, spec, tuple(fsdp) if len(fsdp) > 1 else fsdp[0],
                                      math.prod(mesh[a] for a in fsdp))  # fmt: skip
             if together == spec:  # no dimension takes them together: each where it can
                 for axis in fsdp:
