@@ -212,7 +212,10 @@ def loss_fn(model: Decoder, tokens: jax.Array) -> jax.Array:
     """Next-token cross-entropy (float32) over ``tokens`` of shape ``(batch, seq_len + 1)``."""
     logits = model(tokens[:, :-1])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+    # the targets laid out as the logits are (the sequence over 'context'): a gather of
+    # split log-probabilities by replicated targets would gather the log-probabilities
+    targets = constrain(tokens[:, 1:], ("activation_batch", "activation_length"))
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
 def train_step(model: Decoder, tokens: jax.Array, learning_rate: float = 1e-3) -> jax.Array:

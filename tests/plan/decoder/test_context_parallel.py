@@ -43,9 +43,14 @@ def _loss(out: jax.Array) -> jax.Array:
 
 @pytest.mark.parametrize("strategy", CONTEXT_STRATEGIES)
 @pytest.mark.parametrize(
-    "axes", [{"context": 8}, {"data": 2, "context": 2, "model": 2}], ids=["cp8", "dp2cp2tp2"]
+    ("axes", "kind"),
+    [
+        ({"context": 8}, AxisType.Auto),
+        ({"data": 2, "context": 2, "model": 2}, AxisType.Auto),
+        ({"data": 2, "context": 2, "model": 2}, AxisType.Explicit),
+    ],
+    ids=["cp8", "dp2cp2tp2", "dp2cp2tp2-explicit"],
 )
-@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_each_strategy_equals_unsplit_attention(strategy, axes, kind):
     """Output and the gradients of q, k and v equal one device's causal attention
     (``jax.nn.dot_product_attention``), the sequence laid out as `sequence_order` says,
