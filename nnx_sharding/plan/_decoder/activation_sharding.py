@@ -83,12 +83,14 @@ def constrain_activation(
 def place(x: jax.Array, spec: P) -> jax.Array:
     """``x`` laid out as ``spec`` on the current mesh: ``jax.sharding.reshard`` where its
     axes are all Explicit (a sharding constraint there only asserts), else a sharding
-    constraint.
+    constraint; without a mesh, ``x`` as it is.
 
     >>> place(jax.numpy.ones(3), P()).shape
     (3,)
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and all(t == AxisType.Explicit for t in mesh.axis_types):
+    if mesh.empty:
+        return x
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)

@@ -59,7 +59,7 @@ def rank(knobs: Mapping[str, Any]) -> Rank:
     its own.
 
     >>> rank({'remat': 'full', 'microbatches': 4, 'dtype': 'bf16'})
-    Rank(group=(('dtype', 'bf16'),), remat=3, microbatches=4)
+    Rank(group=(('dtype', 'bf16'),), remat=4, microbatches=4)
     """
     remat = knobs.get("remat", "none")
     ordered = isinstance(remat, str) and remat in REMAT_ORDER
