@@ -114,9 +114,9 @@ def splash_attention(
     spec = activation_spec(q.shape, ("activation_batch", None, "activation_heads", None))
     entries = (*(spec or ()), None, None, None, None)
     head_axes = entries[2]
-    if head_axes is not None and k.shape[2] % (h // _local(h, head_axes)):
+    if head_axes is not None and k.shape[2] % (h // local_count(h, head_axes)):
         # kv heads that the heads' split does not divide: every query head gets its copy
-        k, v = (jnp.repeat(t, h // k.shape[2], axis=2) for t in (k, v))
+        k, v = repeat_kv(k, v, h)
     local = functools.partial(splash_local, interpret=interpret)
     if spec is None:
         return local(q, k, v)
@@ -145,11 +145,9 @@ def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = 
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    s, d = q.shape[1], q.shape[3]
-    q = q * jnp.asarray(1 / math.sqrt(d), q.dtype)
-    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+    s = q.shape[1]
     sizes = splash_blocks(s)
-    mask = sm.MultiHeadMask([sm.CausalMask((s, s))] * q.shape[1])
+    mask = sm.MultiHeadMask([sm.CausalMask((s, s))] * q.shape[2])
     kernel = sk.make_splash_mha(
         mask,
         head_shards=1,
@@ -158,15 +156,35 @@ def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = 
         interpret=interpret,
         residual_checkpoint_name="context",  # saved with the output by dots_with_context
     )
+    return run_splash(kernel, q, k, v)
+
+
+def run_splash(kernel: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """A splash ``kernel`` (`make_splash_mha`'s) over (batch, seq, heads, head_dim)
+    arrays, a key and value per query head: the queries scaled (splash does not scale
+    them), the heads put before the sequence, the batch mapped over."""
+    q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
     out: jax.Array = jax.vmap(kernel)(q, k, v)  # type: ignore[assignment]
     return jnp.swapaxes(out, 1, 2)
 
 
-def _local(n: int, axes: Any) -> int:
-    """``n`` split over ``axes`` of the current mesh: the local count."""
-    mesh = jax.sharding.get_abstract_mesh()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+def local_count(n: int, axes: Any) -> int:
+    """``n`` split over mesh ``axes`` (a name, a tuple of names or None) of the current
+    mesh: the count on each device."""
+    if axes is None:
+        return n
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
     return n // math.prod(sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+
+
+def repeat_kv(k: jax.Array, v: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
+    """Key and value (batch, seq, kv_heads, head_dim) repeated to ``heads`` heads, each
+    kv head's copies beside it (grouped-query attention's groups): for kernels with no
+    grouped-query form, and splits the kv heads do not divide."""
+    if k.shape[2] == heads:
+        return k, v
+    return jnp.repeat(k, heads // k.shape[2], axis=2), jnp.repeat(v, heads // v.shape[2], axis=2)
 
 
 # --- Pallas flash attention (GPU, Triton) --------------------------------------------------
@@ -189,8 +207,7 @@ def triton_attention(
     local = functools.partial(triton_local, interpret=interpret)
     if spec is None:
         return local(q, k, v)
-    if k.shape[2] != q.shape[2]:  # repeated before the split, as the kernel's heads are
-        k, v = (jnp.repeat(t, q.shape[2] // k.shape[2], axis=2) for t in (k, v))
+    k, v = repeat_kv(k, v, q.shape[2])  # before the split, as the kernel's heads are
     return jax.shard_map(
         local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(spec, spec, spec),
         out_specs=spec, check_vma=False,
@@ -202,9 +219,8 @@ def triton_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool = 
     repeated to the query heads."""
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
-    h, d = q.shape[2], q.shape[3]
-    if k.shape[2] != h:
-        k, v = (jnp.repeat(t, h // k.shape[2], axis=2) for t in (k, v))
+    d = q.shape[3]
+    k, v = repeat_kv(k, v, q.shape[2])
     out: jax.Array = gpu_attention.mha(
         q, k, v, segment_ids=None, sm_scale=1 / math.sqrt(d), causal=True, interpret=interpret,
     )  # fmt: skip

@@ -30,7 +30,6 @@ kernel would take (MaxText's ring on TPUs is Tokamax's kernel, which jax does no
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -50,6 +49,9 @@ from .attention import (
     flash_backward,
     flash_forward,
     local_attention,
+    local_count,
+    repeat_kv,
+    run_splash,
     splash_blocks,
 )
 
@@ -150,19 +152,19 @@ def context_attention(
     spec = activation_spec(q.shape, names) or P()
     kv_spec = activation_spec(k.shape, (*names[:2], "activation_kv_heads", None)) or P()
     if _heads_axes(spec) != _heads_axes(kv_spec):  # kv heads the head split does not divide
-        k, v = (jnp.repeat(t, heads // k.shape[2], axis=2) for t in (k, v))
+        k, v = repeat_kv(k, v, heads)
         kv_spec = spec
     kernel = attention_kernel(implementation, seq, head_dim, q.dtype)
     extra: tuple[Any, ...] = ()
     splash: Any = None
     if strategy == "ulysses":
-        local_heads = heads // _size(_heads_axes(spec))
+        local_heads = local_count(heads, _heads_axes(spec))
         if local_heads % parts:
             raise ValueError(_errors.context_ulysses_heads(heads, local_heads, parts))
         local: Any = functools.partial(_ulysses, parts=parts, kernel=kernel,
                                        interpret=interpret)  # fmt: skip
     elif strategy == "all_gather" and kernel == "splash" and (seq // parts) % 128 == 0:
-        heads_here = heads // _size(_heads_axes(spec))
+        heads_here = local_count(heads, _heads_axes(spec))
         splash, extra = _balanced_splash(seq, parts, heads_here, interpret)
         natural = np.argsort(np.asarray(sequence_order(seq, strategy, parts)))
         local = functools.partial(_all_gather_splash, natural)
@@ -185,13 +187,6 @@ def context_attention(
 def _heads_axes(spec: Any) -> Any:
     entries = (*(spec or ()), None, None, None)
     return entries[2]
-
-
-def _size(axes: Any) -> int:
-    if axes is None:
-        return 1
-    sizes = jax.sharding.get_abstract_mesh().shape
-    return math.prod(sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 # --- the load-balanced layout's blocks ------------------------------------------------------
@@ -259,19 +254,15 @@ def _all_gather_splash(
     """All-gather with splash: the gathered keys and values put back in order (the
     devices hold them load-balanced), this device's queries against them."""
     k, v = (jax.lax.all_gather(t, CONTEXT, axis=1, tiled=True)[:, natural] for t in (k, v))
-    if k.shape[2] != q.shape[2]:  # splash's multi-head form: a key and value per head
-        k, v = (jnp.repeat(t, q.shape[2] // k.shape[2], axis=2) for t in (k, v))
-    q = q * jnp.asarray(1 / math.sqrt(q.shape[-1]), q.dtype)
-    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-    out: jax.Array = jax.vmap(kernel)(q, k, v)  # type: ignore[assignment]
-    return jnp.swapaxes(out, 1, 2)
+    k, v = repeat_kv(k, v, q.shape[2])  # splash's multi-head form: a key and value per head
+    return run_splash(kernel, q, k, v)
 
 
 def _ulysses(
     q: jax.Array, k: jax.Array, v: jax.Array, *, parts: int, kernel: str, interpret: bool
 ) -> jax.Array:
     if k.shape[2] % parts:  # kv heads the context axis does not divide: one per query head
-        k, v = (jnp.repeat(t, q.shape[2] // k.shape[2], axis=2) for t in (k, v))
+        k, v = repeat_kv(k, v, q.shape[2])
     # the sequence split traded for a head split, attention, and back
     q, k, v = (jax.lax.all_to_all(t, CONTEXT, 2, 1, tiled=True) for t in (q, k, v))
     out = local_attention(q, k, v, kernel, interpret=interpret)
