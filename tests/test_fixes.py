@@ -1282,6 +1282,15 @@ CASES = [
         check="assert config.kv == 2",
     ),
     Case(
+        "decoder_vocab_tiles",
+        1,
+        "import dataclasses",
+        "dataclasses.replace(nnx_sharding.plan.DECODER_CONFIGS['tiny'], vocab_tiles=5)",
+        "config = dataclasses.replace(nnx_sharding.plan.DECODER_CONFIGS['tiny'], vocab_tiles=4)",
+        ValueError,
+        check="assert config.vocab_tiles == 4",
+    ),
+    Case(
         "decoder_unknown_knobs",
         1,
         "build = nnx_sharding.plan.decoder_builder(nnx_sharding.plan.DECODER_CONFIGS['tiny'])",

@@ -32,6 +32,7 @@ DIMENSIONS = {
     "head_dim": "width of a head",
     "mlp": "width of the MLP",
     "vocab": "vocabulary size",
+    "vocab_tiles": "tiles of tokens the loss computes its logits in (one tile's held)",
     "experts": "experts of each layer's mixture-of-experts MLP (0: a dense MLP)",
     "experts_per_token": "experts each token goes to (top-k)",
     "expert_mlp": "width of each expert's MLP",

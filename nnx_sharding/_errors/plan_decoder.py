@@ -19,6 +19,7 @@ __all__ = [
     "context_ulysses_heads",
     "decoder_bad_choice",
     "decoder_bad_kv_heads",
+    "decoder_vocab_tiles",
     "decoder_bad_size",
     "decoder_unknown_knobs",
     "microbatches_indivisible",
@@ -70,6 +71,24 @@ def decoder_bad_kv_heads(kv_heads: int, heads: int) -> str:
         [
             f"choose one, e.g. `kv_heads={smaller[-1]}`;",
             "or leave kv_heads out (None): a key/value head for each query head.",
+        ],
+    )
+
+
+def decoder_vocab_tiles(tiles: object, seq: int) -> str:
+    """``vocab_tiles`` that is not a positive int dividing ``seq_len``: the tokens of each
+    sequence would not split into equal tiles."""
+    fitting = divisors(seq)
+    under = [d for d in fitting if isinstance(tiles, int) and d <= tiles] or [1]
+    return format_message(
+        "DecoderConfig",
+        "vocab_tiles",
+        [f"{tiles!r} does not divide seq_len={seq}"],
+        "Rule: the loss takes each sequence's tokens in equal tiles: vocab_tiles is a "
+        f"positive int that divides seq_len, here one of {listing(fitting, 12)}.",
+        [
+            f"choose one, e.g. `vocab_tiles={under[-1]}`;",
+            "or leave vocab_tiles out (1): the whole batch's logits at once.",
         ],
     )
 

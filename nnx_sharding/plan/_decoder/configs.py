@@ -73,6 +73,11 @@ class DecoderConfig:
     context_strategy: str = "all_gather"
     """Under a mesh with a ``context`` axis (the sequence split over it), how attention
     sees the whole sequence: one of `CONTEXT_STRATEGIES` (`context_attention`)."""
+    vocab_tiles: int = 1
+    """The loss's logits computed this many tiles of tokens at a time, each tile's
+    rematerialized in the backward pass (MaxText's ``num_vocab_tiling``): the step holds
+    one tile's logits instead of the whole batch's, for the head's matmul once more. It
+    divides ``seq_len``."""
     experts: int = 0
     """Experts of each layer's mixture-of-experts MLP (`nnx_sharding.moe`); 0: a dense MLP.
     The router's load-balancing loss is not added to the step's loss: what it costs is
@@ -93,6 +98,12 @@ class DecoderConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(_errors.decoder_bad_size(field, value))
+        if (
+            not isinstance(self.vocab_tiles, int)
+            or self.vocab_tiles < 1
+            or (self.seq_len % self.vocab_tiles)
+        ):
+            raise ValueError(_errors.decoder_vocab_tiles(self.vocab_tiles, self.seq_len))
         for field in ("pipeline_microbatches", "pipeline_repeats", "expert_mlp"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -171,6 +171,11 @@ class Decoder(nnx.Module):
             self.head = _param(rngs, (c.d_model, c.vocab), ("embed", "vocab"), c.param_dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.logits(self.hidden(tokens))
+
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """The final norm's output (batch, seq, d_model), the sequence in its natural
+        order: what the output head turns into logits."""
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
         seq = tokens.shape[1]
@@ -200,22 +205,68 @@ class Decoder(nnx.Module):
                 x = layer(x, block)
         if order is not None:  # back to the natural order, for the logits
             x = constrain(reorder(x, np.argsort(order)), RESIDUAL)
-        x = _rms_norm(x, self.final_norm[...], c.norm_eps)
+        return _rms_norm(x, self.final_norm[...], c.norm_eps)
+
+    def head_table(self) -> jax.Array:
+        """The output head's weights as stored: ``head`` (d_model, vocab), or with tied
+        embeddings ``embed`` (vocab, d_model)."""
+        return self.embed[...] if self.config.tied else self.head[...]
+
+    def logits(self, x: jax.Array, table: jax.Array | None = None) -> jax.Array:
+        """The logits of the hidden state ``x`` (`hidden`), by the output head (or by
+        ``table``, its weights as `head_table` gives them)."""
+        c = self.config
+        table = (self.head_table() if table is None else table).astype(c.compute_dtype)
         if c.tied:
-            logits = jnp.einsum("bsd,vd->bsv", x, self.embed[...].astype(dtype))
+            logits = jnp.einsum("bsd,vd->bsv", x, table)
         else:
-            logits = x @ self.head[...].astype(dtype)
+            logits = x @ table
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
-def loss_fn(model: Decoder, tokens: jax.Array) -> jax.Array:
-    """Next-token cross-entropy (float32) over ``tokens`` of shape ``(batch, seq_len + 1)``."""
-    logits = model(tokens[:, :-1])
+def _nll_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """The summed negative log-likelihood (float32) of ``targets`` under ``logits``."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def _tiled_nll_sum(model: Decoder, x: jax.Array, targets: jax.Array, tiles: int) -> jax.Array:
+    """`_nll_sum` of ``model.logits(x)``, a tile of the tokens at a time, each tile's
+    logits rematerialized in the backward pass: only one tile's logits are ever held
+    (MaxText's ``num_vocab_tiling``). Tile ``j`` holds positions ``j, j + tiles, ...``,
+    so every tile keeps the sequence's split over ``context``."""
+    b, s, d = x.shape
+    xs = x.reshape(b, s // tiles, tiles, d).transpose(2, 0, 1, 3)
+    ys = targets.reshape(b, s // tiles, tiles).transpose(2, 0, 1)
+    table = model.head_table()  # passed in: its gradient accumulates in its own dtype
+
+    @jax.checkpoint
+    def tile(table: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+        x = constrain(x, RESIDUAL)
+        y = constrain(y, ("activation_batch", "activation_length"))
+        return _nll_sum(model.logits(x, table), y)
+
+    def step(total: jax.Array, xy: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        return total + tile(table, *xy), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (xs, ys))
+    return total
+
+
+def loss_fn(model: Decoder, tokens: jax.Array) -> jax.Array:
+    """Next-token cross-entropy (float32) over ``tokens`` of shape ``(batch, seq_len + 1)``;
+    with ``vocab_tiles`` > 1 the logits a tile of tokens at a time
+    (`DecoderConfig.vocab_tiles`)."""
+    x = model.hidden(tokens[:, :-1])
     # the targets laid out as the logits are (the sequence over 'context'): a gather of
     # split log-probabilities by replicated targets would gather the log-probabilities
     targets = constrain(tokens[:, 1:], ("activation_batch", "activation_length"))
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    tiles = model.config.vocab_tiles
+    if tiles == 1:
+        total = _nll_sum(model.logits(x), targets)
+    else:
+        total = _tiled_nll_sum(model, x, targets, tiles)
+    return total / targets.size
 
 
 def train_step(model: Decoder, tokens: jax.Array, learning_rate: float = 1e-3) -> jax.Array:
