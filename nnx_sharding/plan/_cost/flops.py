@@ -73,19 +73,22 @@ def kernel_flops(ins: Instr, shapes: dict[tuple[str, str], str]) -> tuple[float,
     """The matmul FLOPs of a custom kernel (a fused attention, a Pallas kernel), which
     the HLO does not spell out, and its operands' dtype.
 
-    - An attention kernel (its target or name says attention, flash, mha or fmha, and
-      its first three operands, q, k and v, have one rank-4 shape (batch, sequence,
-      heads, head_dim) in either order of sequence and heads): ``units · 2·B·H·Sq·Sk·D``
-      with 2 units for the forward pass (``QKᵀ`` and ``PV``); for a backward kernel (a
-      name saying bwd, backward, dq or dkv) 5 units when it returns dq, dk and dv, 4 for
-      dk and dv, 3 for dq (each recomputes ``QKᵀ``, as flash attention does); halved
-      when the query and key lengths are equal (causal, as decoders train, whose
-      kernels skip the blocks above the diagonal).
+    - An attention kernel (its target or name says attention, flash, mha or fmha): its
+      q, k and v are its first three floating-point operands of rank 3 or more with one
+      head dimension (last), k and v of one shape, q of k's but perhaps for the
+      sequence (splash takes mask tables first; under context parallelism a device's
+      queries meet the whole sequence's keys). Its FLOPs are ``units · 2 · (q's
+      elements) · Sk``: 2 units for the forward pass (``QKᵀ`` and ``PV``); for a
+      backward kernel (a name saying bwd, backward, dq or dkv) 5 when it returns dq, dk
+      and dv, 4 for dk and dv, 3 for dq (each recomputes ``QKᵀ``, as flash attention
+      does); halved, causal, as decoders train: their kernels skip the blocks above the
+      diagonal, and under context parallelism the load-balanced layout gives each device
+      half its queries' blocks.
     - Else the FLOPs of the kernel's own cost estimate (Pallas TPU kernels carry one in
       their backend config), or 0.0.
     """
     names = operands(ins.rest)
-    arrays = [ARRAY.findall(shapes.get((ins.computation, n), "")) for n in names[:3]]
+    arrays = [ARRAY.findall(shapes.get((ins.computation, n), "")) for n in names]
     target = _TARGET.search(ins.rest)
     kernel = _KERNEL_NAME.search(ins.rest)
     label = " ".join(
@@ -95,22 +98,47 @@ def kernel_flops(ins: Instr, shapes: dict[tuple[str, str], str]) -> tuple[float,
             kernel.group(kernel.lastindex or 0) if kernel else "",
         ]
     )
-    qkv = [a[0] for a in arrays if a]
-    if len(qkv) == 3 and len(set(qkv)) == 1 and _ATTENTION.search(label):
-        dtype, dims = qkv[0][0], [int(d) for d in qkv[0][1].split(",") if d]
-        if len(dims) == 4:
-            seq = max(dims[1], dims[2])  # (B, S, H, D) or (B, H, S, D)
-            if _BACKWARD.search(label):
-                like_q = sum(1 for a in ARRAY.findall(ins.shape) if a == qkv[0])
-                units = {3: 5, 2: 4, 1: 3}.get(like_q, 0)
-            else:
-                units = 2
-            return units * 2.0 * math.prod(dims) * seq * 0.5, dtype
+    if _ATTENTION.search(label):
+        found = _attention_flops(ins, [a[0] for a in arrays if a], _BACKWARD.search(label))
+        if found is not None:
+            return found
     cost = _COST.search(ins.rest)
     if cost:
         first = arrays[0][0][0] if arrays and arrays[0] else ""
         return float(cost.group(1)), first
     return 0.0, ""
+
+
+_FLOAT = ("bf16", "f16", "f32", "f8e4m3fn", "f8e5m2")
+
+
+def _attention_flops(
+    ins: Instr, arrays: list[tuple[str, str]], backward: Any
+) -> tuple[float, str] | None:
+    """`kernel_flops` of an attention kernel whose operands (dtype, dims) are
+    ``arrays``; None when its q, k and v are not found."""
+    dims = [[int(d) for d in a[1].split(",") if d] for a in arrays]
+    qkv = [i for i, (a, d) in enumerate(zip(arrays, dims)) if a[0] in _FLOAT and len(d) >= 3]
+    if len(qkv) < 3:
+        return None
+    q, k, v = (dims[i] for i in qkv[:3])
+    if k != v or len(q) != len(k) or q[:-3] != k[:-3] or q[-1] != k[-1]:
+        return None
+    # before the head dimension, (S, H) or (H, S): the keys' sequence is the axis where
+    # k is longer (context parallelism), the other one where q is (grouped-query heads)
+    if q == k:
+        keys = max(k[-2], k[-3])
+    elif k[-2] > q[-2] or k[-3] > q[-3]:
+        keys = k[-2] if k[-2] > q[-2] else k[-3]
+    else:
+        keys = k[-3] if k[-2] < q[-2] else k[-2]
+    if backward:
+        like = (arrays[qkv[0]], arrays[qkv[1]])  # q's or k's dtype and shape
+        grads = sum(1 for a in ARRAY.findall(ins.shape) if a in like)
+        units = {3: 5, 2: 4, 1: 3}.get(grads, 0)
+    else:
+        units = 2
+    return units * 2.0 * math.prod(q) * keys * 0.5, arrays[qkv[0]][0]
 
 
 def _contracted(ins: Instr, lhs: list[int]) -> int:

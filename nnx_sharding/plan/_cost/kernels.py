@@ -178,17 +178,22 @@ def _through_bitcasts(name: str, users: dict[str, list[Instr]]) -> tuple[list[In
     return out, aliases
 
 
+_IN_PLACE = "output_to_operand_aliasing={{}: (0, {})}"
+"""A nested fusion whose result is its first operand's buffer (the TPU compiler's
+relayout of a stacked buffer in place): looked through, like a bitcast."""
+
+
 def _writes(root: Instr | None, body: list[Instr]) -> tuple[float | None, set[str]]:
     """The bytes a fusion writes, where one of its results is an in-place update (a
-    ``dynamic-update-slice`` into one of its parameters, through bitcasts, alone or in
-    a tuple): the updates' bytes for those, the others' full size; and the names of the
+    ``dynamic-update-slice`` into one of its parameters, through bitcasts and in-place
+    nested fusions, alone or in a tuple): the updates' bytes for those, the others' full size; and the names of the
     parameters updated in place. (None, empty) where no result is such an update."""
     if root is None:
         return None, set()
     by_name = {i.name: i for i in body}
 
     def through(ins: Instr | None) -> Instr | None:
-        while ins is not None and ins.opcode == "bitcast":
+        while ins is not None and (ins.opcode == "bitcast" or _IN_PLACE in ins.rest):
             inner = operands(ins.rest)
             ins = by_name.get(inner[0]) if inner else None
         return ins

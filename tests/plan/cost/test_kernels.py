@@ -68,6 +68,24 @@ def test_a_fused_slice_reads_the_slice_and_an_in_place_update_writes_the_update(
     assert found["g"].bytes == activation + 4 + activation  # reads x and i, writes a layer
 
 
+def test_an_update_through_an_in_place_relayout_writes_the_update():
+    """The TPU compiler writes a scan's saved activation into the stack through a nested
+    fusion that relays the stack out in place (its result aliased to its operand): the
+    fusion still writes one layer's activation and reads none of the stack."""
+    text = SLICED.replace(
+        "  ROOT %dus = f32[32,8,256]{2,1,0} dynamic-update-slice(%q0, %u, %q2, %z, %z)",
+        "  %r = f32[32,8,256]{2,1,0} fusion(%q0), kind=kLoop, "
+        "output_to_operand_aliasing={{}: (0, {})}, calls=%relayout\n"
+        "  ROOT %dus = f32[32,8,256]{2,1,0} dynamic-update-slice(%r, %u, %q2, %z, %z)",
+    ).replace(
+        "%update (q0",
+        "%relayout (r0: f32[32,8,256]) -> f32[32,8,256] {\n"
+        "  ROOT %r0 = f32[32,8,256]{2,1,0} parameter(0)\n}\n\n%update (q0",
+    )
+    found = {op.name: op for op in ops(text)}
+    activation = 8 * 256 * F32
+    assert found["g"].bytes == activation + 4 + activation  # reads x and i, writes a layer
+
 def test_an_asynchronous_fusion_is_priced_as_the_fusion():
     """A newer XLA for GPUs wraps some fusions as ``fusion-start``/``fusion-done``
     (seen compiling on an H200 with jax 0.11.2): the start is the kernel, priced as the
@@ -109,6 +127,36 @@ ENTRY %main (q: {q}, k: {q}, v: {q}) -> {q} {{
                              ins.rest.replace("mha_forward", "mha_backward"), ins.computation)  # fmt: skip
     assert kernel_flops(backward, shapes) == (5 * one / 2, "bf16")  # recompute, dV, dP, dQ, dK
 
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_a_context_parallel_splash_kernel_counts_its_queries_against_every_key(kv_heads):
+    """Splash under context parallelism's all-gather: mask tables come first, then a
+    device's queries (heads, Sq, head_dim) against the whole sequence's keys (kv heads,
+    Sk, head_dim): ``2·H·Sq·Sk·D`` a product, causal (half), forward 2 products, dk and
+    dv 4, dq 3."""
+    h, sq, sk, d = 8, 1024, 4096, 128
+    q, k = f"bf16[{h},{sq},{d}]{{2,1,0}}", f"bf16[{kv_heads},{sk},{d}]{{2,1,0}}"
+    mask = "s8[1,32,256]{2,1,0}"
+    text = f"""
+HloModule m
+
+ENTRY %main (m: {mask}, q: {q}, k: {k}, v: {k}) -> {q} {{
+  %m = {mask} parameter(0)
+  %q = {q} parameter(1)
+  %k = {k} parameter(2)
+  %v = {k} parameter(3)
+  ROOT %splash_mha_fwd_residuals = {q} custom-call(%m, %q, %k, %v), custom_call_target="tpu_custom_call"
+}}
+"""
+    (ins,) = [i for i in instructions(text) if i.opcode == "custom-call"]
+    shapes = {(i.computation, i.name): i.shape for i in instructions(text)}
+    one = 2 * h * sq * sk * d
+    assert kernel_flops(ins, shapes) == (2 * one / 2, "bf16")
+    for name, out, units in [("splash_mha_dkv_no_residuals", f"({k}, {k})", 4),
+                             ("splash_mha_dq_no_residuals", f"(f32[512,128]{{1,0}}, {q})", 3)]:  # fmt: skip
+        backward = ins.__class__(name, out, ins.opcode, ins.rest, ins.computation)
+        assert kernel_flops(backward, shapes) == (units * one / 2, "bf16"), name
 
 def scanned_mlp_loss(remat: str):
     policy = {"none": None, "full": jax.checkpoint_policies.nothing_saveable}[remat]
