@@ -1,8 +1,9 @@
 """The plans of docs/planning/long_context.md: Llama 3 8B at 131,072 tokens on 16
 compile-only v5p chips (FSDP, FSDP × tensor, FSDP × context with each strategy),
-and a step where offloading beats recomputing beside one where it does not.
+and steps where offloading beats recomputing (H100s) beside ones where it does not.
 
     python docs/scripts/long_context_plans.py context   # the 128K plans
+    python docs/scripts/long_context_plans.py single    # one 128K sequence a step
     python docs/scripts/long_context_plans.py offload   # offload against recompute
 
 Prints each plan's table and a JSON line per plan (``--json FILE`` appends them).
@@ -32,32 +33,51 @@ def context_plans():
                   layouts=layouts, prune=False)  # fmt: skip
 
 
+def single_plans():
+    """Llama 3 8B, one sequence of 131,072 tokens a step, remat ``full``, 16 v5p chips:
+    FSDP cannot split one sequence, tensor parallelism stops at the 8 key and value
+    heads; context parallelism over the 16 chips (or 2 × tensor 8) is what fits."""
+    from nnx_sharding.plan import DECODER_CONFIGS, decoder_builder, search
+
+    config = dataclasses.replace(DECODER_CONFIGS["llama3-8b"], seq_len=131072, batch=1)
+    space = {"remat": ["full"], "context_strategy": ["all_gather", "ring", "ulysses"]}
+    layouts = [("fsdp", {"fsdp": 16}), ("tp", {"model": 16}),
+               ("fsdp+tp", {"fsdp": 2, "model": 8}), ("cp", {"context": 16}),
+               ("fsdp+tp+cp", {"fsdp": 1, "context": 2, "model": 8})]  # fmt: skip
+    return search(decoder_builder(config), space, devices=16, accelerator="v5p",
+                  layouts=layouts, prune=False)  # fmt: skip
+
+
 def offload_plans():
-    """Llama 3 8B at 8,192 tokens, FSDP over 8 v6e chips, ``full`` against
-    ``offload_qkv``; each priced on v6e (a 32 GB/s host link per chip) and again,
-    without recompiling (`Program.time`), on a host link 20 times slower."""
+    """Llama 3 8B at 8,192 tokens, 8 layers, FSDP over 8 devices, ``full`` against
+    ``offload_qkv``: on H100s (the GPU compiler; PCIe Gen5, 64 GB/s per GPU) and on v6e
+    chips (the TPU compiler; 32 GB/s per chip); each priced again, without recompiling
+    (`Program.time`), on a host link 8 times slower than its own."""
     from nnx_sharding.plan import DECODER_CONFIGS, PRESETS, decoder_builder, search
 
     config = dataclasses.replace(DECODER_CONFIGS["llama3-8b"], batch=16, layers=8)
-    plans = search(decoder_builder(config), {"remat": ["full", "offload_qkv"]}, devices=8,
-                   accelerator="v6e", layouts=[("fsdp", {"fsdp": 8})], prune=False)  # fmt: skip
-    v6e = PRESETS["v6e"]
-    slow = dataclasses.replace(v6e, host_bandwidth=v6e.host_bandwidth / 20)
     out = []
-    for link, accelerator in (("32 GB/s", v6e), ("1.6 GB/s", slow)):
-        for p in plans:
-            t = None if p.program is None else p.program.time(accelerator)
-            out.append((p, f"{p.label}, host link {link}", t))
+    for name in ("h100", "v6e"):
+        plans = search(decoder_builder(config), {"remat": ["full", "offload_qkv"]},
+                       devices=8, accelerator=name, layouts=[("fsdp", {"fsdp": 8})],
+                       prune=False)  # fmt: skip
+        own = PRESETS[name]
+        slow = dataclasses.replace(own, host_bandwidth=own.host_bandwidth / 8)
+        for accelerator in (own, slow):
+            link = f"{accelerator.host_bandwidth / 1e9:g} GB/s"
+            for p in plans:
+                t = None if p.program is None else p.program.time(accelerator)
+                out.append((p, f"{name} {p.label}, host link {link}", t))
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=["context", "offload"])
+    parser.add_argument("which", choices=["context", "single", "offload"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    if args.which == "context":
-        plans = context_plans()
+    if args.which in ("context", "single"):
+        plans = context_plans() if args.which == "context" else single_plans()
         print(repr(plans))
         rows = [(p, p.label, p.time) for p in plans]
     else:

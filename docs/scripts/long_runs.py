@@ -1,19 +1,25 @@
 """Plans the published, measured MaxText runs that offload activations to the host or
-split a long sequence over a ``context`` axis, as they ran, with the built-in decoder,
-and prints the predicted step beside the published one (docs/planning/predictions.md,
-"Host offload and long context").
+split a long sequence over a ``context`` axis, and Ironwood runs, as they ran, with the
+built-in decoder, and prints the predicted step beside the published one
+(docs/planning/predictions.md, "Host offload and long context").
 
-    python docs/scripts/long_runs.py llama3.1-8b-v6e-8        # offload, FSDP 8
-    python docs/scripts/long_runs.py llama3.1-70b-v6e-32      # offload, FSDP 32
-    python docs/scripts/long_runs.py llama3.1-70b-128k-tpu7x  # 128K, FSDP 64 x context 8
+    python docs/scripts/long_runs.py llama3.1-8b-v6e-8 --vocab-tiles 4   # offload, FSDP 8
+    python docs/scripts/long_runs.py llama3.1-70b-v6e-32 --vocab-tiles 4 # offload, FSDP 32
+    python docs/scripts/long_runs.py llama3.1-70b-128k-tpu7x   # 128K, FSDP 64 x context 8
+    python docs/scripts/long_runs.py llama3.1-70b-128k-tpu7x \
+        --remat custom:decoder_layer_input=device,context=device   # the placement that fits
+    python docs/scripts/long_runs.py llama3.1-70b-8k-tpu7x --vocab-tiles 4 \
+        --remat custom:decoder_layer_input=device,context=device
     python docs/scripts/long_runs.py llama3.1-8b-v6e-8 --json out.jsonl --compiler-defaults
 
 Each run: the model's config (`DECODER_CONFIGS`: Llama 3.1 has Llama 3's dimensions),
-its published per-device batch and sequence, its remat as the decoder names it, its
-weights' dtype, its mesh as an exact candidate, its context strategy, and its recipe's
-``LIBTPU_INIT_ARGS`` as ``compiler_options`` (``--compiler-defaults``: without them);
-compiled by the TPU compiler for compile-only chips. The published step is the one the
-run's log or its recipe's table prints.
+its published per-device batch and sequence, its remat as the decoder names it (the
+recipe's ``custom`` placement; ``--remat`` another), its loss's vocabulary tiling
+(the recipe's ``num_vocab_tiling``; ``--vocab-tiles`` another), its weights' dtype, its
+mesh as an exact candidate, its context strategy, and its recipe's ``LIBTPU_INIT_ARGS``
+as ``compiler_options`` (``--compiler-defaults``: without them); compiled by the TPU
+compiler for compile-only chips. The published step is the one the run's log or its
+recipe's table prints.
 """
 
 from __future__ import annotations
@@ -49,11 +55,12 @@ MAXTEXT_128K_REMAT = (
     "custom:decoder_layer_input=device,context=device,query_proj=device,key_proj=device,"
     "value_proj=device,mlpwo=device"
 )
-"""The 128K run's placement, as its recipe sets it: 156 GiB of temporaries per device for
-the decoder, which has no vocabulary tiling (the recipe's ``num_vocab_tiling=4``): its
-logits alone take 21 GiB. So the run is planned with the projections and the MLP's
-output recomputed (`RUN_128K_REMAT`), which fits."""
-RUN_128K_REMAT = "custom:decoder_layer_input=device,context=device"
+"""The 128K run's placement, as its recipe sets it (the rest rematerialized)."""
+MAXTEXT_8K_REMAT = (
+    "custom:decoder_layer_input=device,context=device,query_proj=device,key_proj=device,"
+    "value_proj=device"
+)
+"""The Ironwood 8K run's placement, as its recipe sets it (the rest rematerialized)."""
 
 RUNS = {
     # tpu-recipes training/trillium/Llama3.1-8B-MaxText/v6e-8 (MaxText tpu-recipes-v0.1.4):
@@ -76,18 +83,29 @@ RUNS = {
     # tpu-recipes training/ironwood (README table): Llama3.1-70B at 131072 tokens on
     # tpu7x-4x8x8 (256 chips, 512 devices), FSDP 64 x context 8 (MaxText's default
     # all_gather strategy, load-balanced), 64 sequences, custom remat keeping the layer
-    # input, q/k/v, the attention's output and the MLP's output on the device; 34.02 s
+    # input, q/k/v, the attention's output and the MLP's output on the device, the loss
+    # in 4 tiles (num_vocab_tiling=4); 34.02 s
     "llama3.1-70b-128k-tpu7x": dict(
         source="tpu-recipes ironwood llama3.1-70b 128k-bf16-tpu7x-4x8x8 (34.02 s)",
         config="llama3-70b", accelerator="tpu7x", devices=512, batch=64, seq=131072,
-        remat=RUN_128K_REMAT, param_dtype="float32",
+        remat=MAXTEXT_128K_REMAT, param_dtype="float32", vocab_tiles=4,
         layout=("fsdp+cp", {"fsdp": 64, "context": 8}), context_strategy="all_gather",
         flags={"xla_tpu_scoped_vmem_limit_kib": "65536"}, published_step=34.02,
+    ),
+    # tpu-recipes training/ironwood (README table): Llama3.1-70B at 8192 tokens on
+    # tpu7x-4x4x4 (64 chips, 128 devices), FSDP 128, 2 sequences per device, custom remat
+    # keeping the layer input, q/k/v and the attention's output; 12.20 s
+    "llama3.1-70b-8k-tpu7x": dict(
+        source="tpu-recipes ironwood llama3.1-70b 8k-bf16-tpu7x-4x4x4 (12.20 s)",
+        config="llama3-70b", accelerator="tpu7x", devices=128, batch=2 * 128, seq=8192,
+        remat=MAXTEXT_8K_REMAT, param_dtype="float32", layout=("fsdp", {"fsdp": 128}),
+        flags={"xla_tpu_scoped_vmem_limit_kib": "61440"}, published_step=12.20,
     ),
 }  # fmt: skip
 
 
-def plan_run(name: str, flags: bool = True, strategies: list[str] | None = None):
+def plan_run(name: str, flags: bool = True, strategies: list[str] | None = None,
+             vocab_tiles: int | None = None, remat: str | None = None):  # fmt: skip
     """The run's plans (one exact candidate; one per context strategy), compiled for
     the run's compile-only TPU chips, with the recipe's compiler flags or (``flags=False``)
     the compiler's defaults."""
@@ -96,7 +114,7 @@ def plan_run(name: str, flags: bool = True, strategies: list[str] | None = None)
     run = RUNS[name]
     config = dataclasses.replace(
         DECODER_CONFIGS[run["config"]], batch=run["batch"], seq_len=run["seq"],
-        param_dtype=run["param_dtype"],
+        param_dtype=run["param_dtype"], vocab_tiles=vocab_tiles or run.get("vocab_tiles", 1),
     )  # fmt: skip
     build = decoder_builder(config)
 
@@ -107,7 +125,7 @@ def plan_run(name: str, flags: bool = True, strategies: list[str] | None = None)
             options = dict(options, compiler_options=run["flags"])
         return dataclasses.replace(built, jit_options=options)
 
-    space = {"remat": [run["remat"]]}
+    space = {"remat": [remat or run["remat"]]}
     if "context_strategy" in run:
         space["context_strategy"] = strategies or [run["context_strategy"]]
     return search(
@@ -128,11 +146,14 @@ def main() -> None:
         "--strategies", default=None,
         help="context strategies to compare, comma-separated (default: the run's)",
     )  # fmt: skip
+    parser.add_argument("--vocab-tiles", type=int, default=None, help="(default: the run's)")
+    parser.add_argument("--remat", default=None, help="(default: the run's)")
     args = parser.parse_args()
     run = RUNS[args.run]
     start = time.perf_counter()
     strategies = args.strategies.split(",") if args.strategies else None
-    plans = plan_run(args.run, flags=not args.compiler_defaults, strategies=strategies)
+    plans = plan_run(args.run, flags=not args.compiler_defaults, strategies=strategies,
+                     vocab_tiles=args.vocab_tiles, remat=args.remat)  # fmt: skip
     seconds = time.perf_counter() - start
     print(repr(plans))
     for plan in plans:
@@ -141,6 +162,7 @@ def main() -> None:
             "run": args.run,
             "source": run["source"],
             "knobs": dict(plan.knobs),
+            "vocab_tiles": args.vocab_tiles or run.get("vocab_tiles", 1),
             "flags": not args.compiler_defaults,
             "compiler": plan.compiler,
             "published_step": run["published_step"],
