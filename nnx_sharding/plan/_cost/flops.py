@@ -118,7 +118,8 @@ def _attention_flops(
     """`kernel_flops` of an attention kernel whose operands (dtype, dims) are
     ``arrays``; None when its q, k and v are not found."""
     dims = [[int(d) for d in a[1].split(",") if d] for a in arrays]
-    qkv = [i for i, (a, d) in enumerate(zip(arrays, dims)) if a[0] in _FLOAT and len(d) >= 3]
+    floats = [a[0] in _FLOAT and len(d) >= 3 for a, d in zip(arrays, dims, strict=True)]
+    qkv = [i for i, yes in enumerate(floats) if yes]
     if len(qkv) < 3:
         return None
     q, k, v = (dims[i] for i in qkv[:3])

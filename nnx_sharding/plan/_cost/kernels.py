@@ -186,8 +186,9 @@ relayout of a stacked buffer in place): looked through, like a bitcast."""
 def _writes(root: Instr | None, body: list[Instr]) -> tuple[float | None, set[str]]:
     """The bytes a fusion writes, where one of its results is an in-place update (a
     ``dynamic-update-slice`` into one of its parameters, through bitcasts and in-place
-    nested fusions, alone or in a tuple): the updates' bytes for those, the others' full size; and the names of the
-    parameters updated in place. (None, empty) where no result is such an update."""
+    nested fusions, alone or in a tuple): the updates' bytes for those, the others'
+    full size; and the names of the parameters updated in place. (None, empty) where
+    no result is such an update."""
     if root is None:
         return None, set()
     by_name = {i.name: i for i in body}

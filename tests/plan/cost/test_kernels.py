@@ -86,6 +86,7 @@ def test_an_update_through_an_in_place_relayout_writes_the_update():
     activation = 8 * 256 * F32
     assert found["g"].bytes == activation + 4 + activation  # reads x and i, writes a layer
 
+
 def test_an_asynchronous_fusion_is_priced_as_the_fusion():
     """A newer XLA for GPUs wraps some fusions as ``fusion-start``/``fusion-done``
     (seen compiling on an H200 with jax 0.11.2): the start is the kernel, priced as the
@@ -128,7 +129,6 @@ ENTRY %main (q: {q}, k: {q}, v: {q}) -> {q} {{
     assert kernel_flops(backward, shapes) == (5 * one / 2, "bf16")  # recompute, dV, dP, dQ, dK
 
 
-
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_a_context_parallel_splash_kernel_counts_its_queries_against_every_key(kv_heads):
     """Splash under context parallelism's all-gather: mask tables come first, then a
@@ -157,6 +157,7 @@ ENTRY %main (m: {mask}, q: {q}, k: {k}, v: {k}) -> {q} {{
                              ("splash_mha_dq_no_residuals", f"(f32[512,128]{{1,0}}, {q})", 3)]:  # fmt: skip
         backward = ins.__class__(name, out, ins.opcode, ins.rest, ins.computation)
         assert kernel_flops(backward, shapes) == (units * one / 2, "bf16"), name
+
 
 def scanned_mlp_loss(remat: str):
     policy = {"none": None, "full": jax.checkpoint_policies.nothing_saveable}[remat]
