@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -301,7 +302,9 @@ def _ring_forward(
             out = out * _per_query(jnp.exp(lse - new)) + o_t * _per_query(jnp.exp(lse_t - new))
             lse = new
         kv = nxt
-    out = out.astype(q.dtype)
+    # named as the kernels' residuals are (attention.py): saved by the 'context' policies
+    out = checkpoint_name(out.astype(q.dtype), "context")
+    lse = checkpoint_name(lse, "context")
     return out, (q, k, v, out, lse)
 
 

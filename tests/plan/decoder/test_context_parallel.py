@@ -160,3 +160,19 @@ def test_splash_under_each_strategy_equals_unsplit_attention(strategy):
     np.testing.assert_allclose(out, reference, rtol=1e-4, atol=1e-4)
     for ours, ref in zip(split_grads, grads, strict=True):
         np.testing.assert_allclose(ours, ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("strategy", CONTEXT_STRATEGIES)
+def test_the_context_policy_keeps_each_strategys_output(strategy, saved_elements):
+    """Under the ``context`` remat policy each strategy keeps its output for the backward
+    pass, once: without it the backward pass would run the strategy's forward again (the
+    ring's whole ring of transfers)."""
+    from nnx_sharding.plan._decoder.remat import remat_policy
+
+    q, k, v = _qkv()
+    mesh = jax.make_mesh((2,), ("context",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        f = jax.checkpoint(lambda *a: _loss(context_attention(*a, strategy)),
+                           policy=remat_policy("context"))  # fmt: skip
+        saved = saved_elements(f, q, k, v)
+    assert saved.count(q.size) == 1, saved

@@ -442,3 +442,21 @@ def test_vocabulary_tiling_gives_the_untiled_loss_and_holds_a_tile_of_logits(tie
     ]
     logits = 4 * 64 * config.vocab * 4
     assert temps[1] <= temps[0] - logits / 2, (temps, logits)
+
+
+@pytest.mark.parametrize("attention", ["splash", "blockwise", "triton"])
+def test_the_context_policy_saves_the_attention_output_once(attention, saved_elements):
+    """Under ``remat='context'`` a layer keeps one copy of the attention's output, in the
+    kernel's layout: the kernel names it (splash: with its log-sum-exp, as MaxText does),
+    and the decoder does not name it again in its own layout (a second copy, the size
+    of the layer's input, in every layer)."""
+    from nnx_sharding.plan._decoder.model import loss_fn
+
+    c = dataclasses.replace(SMALL, head_dim=16, seq_len=128, layers=1, remat="context",
+                            attention=attention)  # fmt: skip
+    graphdef, state = nnx.split(make(c))
+    tokens = jnp.zeros((c.batch, c.seq_len + 1), jnp.int32)
+    saved = saved_elements(lambda s, t: loss_fn(nnx.merge(graphdef, s), t), state, tokens)
+    out = c.batch * c.seq_len * c.heads * c.head_dim  # not the residual stream's size
+    assert c.heads * c.head_dim != c.d_model
+    assert saved.count(out) == 1, saved
