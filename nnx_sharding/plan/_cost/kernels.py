@@ -165,11 +165,13 @@ def _bytes(ins: Instr, shapes: dict[tuple[str, str], str], code: dict[str, list[
 
 
 def _through_bitcasts(name: str, users: dict[str, list[Instr]]) -> tuple[list[Instr], list]:
-    """The users of ``name`` looking through bitcasts, and ``[name]`` and the names of
-    its bitcasts, each as a one-element list (an operand list's head to compare with)."""
+    """The users of ``name`` looking through bitcasts and in-place relayouts of it
+    (`_IN_PLACE`: the TPU compiler relays a saved activation's stack out before slicing
+    a layer from it), and ``[name]`` and the names of those, each as a one-element list
+    (an operand list's head to compare with)."""
     out, aliases = [], [[name]]
     for u in users.get(name, []):
-        if u.opcode == "bitcast":
+        if u.opcode == "bitcast" or (_IN_PLACE in u.rest and operands(u.rest)[:1] == [name]):
             more, names = _through_bitcasts(u.name, users)
             out += more
             aliases += names
