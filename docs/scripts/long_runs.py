@@ -6,10 +6,7 @@ built-in decoder, and prints the predicted step beside the published one
     python docs/scripts/long_runs.py llama3.1-8b-v6e-8 --vocab-tiles 4   # offload, FSDP 8
     python docs/scripts/long_runs.py llama3.1-70b-v6e-32 --vocab-tiles 4 # offload, FSDP 32
     python docs/scripts/long_runs.py llama3.1-70b-128k-tpu7x   # 128K, FSDP 64 x context 8
-    python docs/scripts/long_runs.py llama3.1-70b-128k-tpu7x \
-        --remat custom:decoder_layer_input=device,context=device   # the placement that fits
-    python docs/scripts/long_runs.py llama3.1-70b-8k-tpu7x --vocab-tiles 4 \
-        --remat custom:decoder_layer_input=device,context=device
+    python docs/scripts/long_runs.py llama3.1-70b-8k-tpu7x     # 8K, FSDP 128
     python docs/scripts/long_runs.py llama3.1-8b-v6e-8 --json out.jsonl --compiler-defaults
 
 Each run: the model's config (`DECODER_CONFIGS`: Llama 3.1 has Llama 3's dimensions),
