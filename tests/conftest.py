@@ -1,5 +1,7 @@
 """Test set-up: 8 simulated CPU devices, configured before any backend starts."""
 
+import math
+
 import jax
 import pytest
 from flax import nnx
@@ -34,3 +36,23 @@ needs_flax_prefix_check = pytest.mark.skipif(
     not _flax_rejects_graph_node_prefixes(),
     reason="flax refuses graph nodes as prefixes when wrapping only since 0.12.8",
 )
+
+
+@pytest.fixture
+def saved_elements(capsys):
+    """``saved_elements(f, *args)``: the element counts of what ``jax.vjp(f)`` saves for
+    the backward pass beyond its arguments and constants, as
+    ``jax.ad_checkpoint.print_saved_residuals`` lists them."""
+
+    def counts(f, *args) -> list[int]:
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(f, *args)
+        found = []
+        for line in capsys.readouterr().out.splitlines():
+            if "from the argument" in line or "from a constant" in line:
+                continue
+            dims = line.split("[", 1)[1].split("]", 1)[0]  # f32[2,64@context,4,16] ...
+            found.append(math.prod(int(d.split("@")[0]) for d in dims.split(",") if d))
+        return found
+
+    return counts

@@ -166,12 +166,12 @@ def _bytes(ins: Instr, shapes: dict[tuple[str, str], str], code: dict[str, list[
 
 def _through_bitcasts(name: str, users: dict[str, list[Instr]]) -> tuple[list[Instr], list]:
     """The users of ``name`` looking through bitcasts and in-place relayouts of it
-    (`_IN_PLACE`: the TPU compiler relays a saved activation's stack out before slicing
+    (`_relayout`: the TPU compiler relays a saved activation's stack out before slicing
     a layer from it), and ``[name]`` and the names of those, each as a one-element list
     (an operand list's head to compare with)."""
     out, aliases = [], [[name]]
     for u in users.get(name, []):
-        if u.opcode == "bitcast" or (_IN_PLACE in u.rest and operands(u.rest)[:1] == [name]):
+        if u.opcode == "bitcast" or (_relayout(u) and operands(u.rest)[:1] == [name]):
             more, names = _through_bitcasts(u.name, users)
             out += more
             aliases += names
@@ -181,8 +181,12 @@ def _through_bitcasts(name: str, users: dict[str, list[Instr]]) -> tuple[list[In
 
 
 _IN_PLACE = "output_to_operand_aliasing={{}: (0, {})}"
-"""A nested fusion whose result is its first operand's buffer (the TPU compiler's
-relayout of a stacked buffer in place): looked through, like a bitcast."""
+
+
+def _relayout(ins: Instr) -> bool:
+    """A nested fusion whose result is its first operand's buffer (`_IN_PLACE`: the TPU
+    compiler's relayout of a stacked buffer in place): looked through, like a bitcast."""
+    return ins.opcode == "fusion" and _IN_PLACE in ins.rest
 
 
 def _writes(root: Instr | None, body: list[Instr]) -> tuple[float | None, set[str]]:
@@ -196,7 +200,7 @@ def _writes(root: Instr | None, body: list[Instr]) -> tuple[float | None, set[st
     by_name = {i.name: i for i in body}
 
     def through(ins: Instr | None) -> Instr | None:
-        while ins is not None and (ins.opcode == "bitcast" or _IN_PLACE in ins.rest):
+        while ins is not None and (ins.opcode == "bitcast" or _relayout(ins)):
             inner = operands(ins.rest)
             ins = by_name.get(inner[0]) if inner else None
         return ins

@@ -26,10 +26,11 @@ compile-only devices the planner uses (no accelerator present):
 Each kernel names its output ``'context'`` once (``checkpoint_name``): splash and the
 blockwise attention name their residuals, the output and its log-sum-exp, as MaxText
 names splash's, so a remat policy that saves ``context`` keeps what their backward
-passes need; cuDNN and Triton name their output. The caller names nothing again: a
-second name on the output in the caller's layout would save a second copy of it,
-a tensor the size of the layer's input per layer (measured on the Llama 3.1 70B
-Ironwood runs: 20 GiB of their 80 layers).
+passes need; cuDNN and Triton name their output (their own residuals carry no name,
+so a policy that saves ``context`` still runs their forward kernel again). The caller
+names nothing again: a second name on the output in the caller's layout would save a
+second copy of it in every layer (docs/planning/predictions.md, "Host offload and long
+context").
 """
 
 from __future__ import annotations

@@ -133,7 +133,8 @@ def context_attention(
     `causal_attention` (``implementation``: its kernel, as there). On TPUs ``all_gather``
     runs splash attention with a load-balanced causal mask (as MaxText does) and
     ``ulysses`` splash over the whole sequence; ``interpret`` runs splash in Pallas's
-    interpreter (any backend: how it is tested).
+    interpreter (any backend: how it is tested). The output is named ``'context'`` once,
+    by the kernel or the ring, as `causal_attention`'s is.
 
     Raises:
       ValueError: an unknown strategy, a sequence the strategy cannot split, or (for

@@ -90,7 +90,7 @@ def _attention(c: DecoderConfig, h: jax.Array, w: dict[str, jax.Array], rope: An
     q, k, v = constrain(q, heads), constrain(k, kv_heads), constrain(v, kv_heads)
     out = context_attention(_rotate(q, rope), _rotate(k, rope), v, c.context_strategy,
                             c.attention)  # fmt: skip
-    out = constrain(out, heads)  # named 'context' by the kernel, with its residuals
+    out = constrain(out, heads)  # named 'context' by the kernel (attention.py)
     return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, w["wo"]), "out_proj")
 
 

@@ -82,6 +82,7 @@ def test_an_update_through_an_in_place_relayout_writes_the_update():
         "%relayout (r0: f32[32,8,256]) -> f32[32,8,256] {\n"
         "  ROOT %r0 = f32[32,8,256]{2,1,0} parameter(0)\n}\n\n%update (q0",
     )
+    assert text.count("calls=%relayout") == 1  # the pattern is in place
     found = {op.name: op for op in ops(text)}
     activation = 8 * 256 * F32
     assert found["g"].bytes == activation + 4 + activation  # reads x and i, writes a layer
@@ -101,6 +102,7 @@ def test_a_slice_through_an_in_place_relayout_reads_the_slice():
         "%relayout (r0: f32[32,256,256]) -> f32[32,256,256] {\n"
         "  ROOT %r0 = f32[32,256,256]{2,1,0} parameter(0)\n}\n\n%fused (p0",
     )
+    assert text.count("calls=%relayout") == 1  # the pattern is in place
     found = {op.name: op for op in ops(text)}
     layer, activation = 256 * 256 * F32, 8 * 256 * F32
     assert found["f"].bytes == layer + 4 + activation + activation  # slice, index, x, out

@@ -164,9 +164,9 @@ def test_splash_under_each_strategy_equals_unsplit_attention(strategy):
 
 @pytest.mark.parametrize("strategy", CONTEXT_STRATEGIES)
 def test_the_context_policy_keeps_each_strategys_output(strategy, saved_elements):
-    """Under the ``context`` remat policy each strategy keeps its output for the backward
-    pass, once: without it the backward pass would run the strategy's forward again (the
-    ring's whole ring of transfers)."""
+    """Under the ``context`` remat policy each strategy keeps its output and log-sum-exp
+    for the backward pass, once each: without them the backward pass would run the
+    strategy's forward again (the ring's whole ring of transfers)."""
     from nnx_sharding.plan._decoder.remat import remat_policy
 
     q, k, v = _qkv()
@@ -175,4 +175,6 @@ def test_the_context_policy_keeps_each_strategys_output(strategy, saved_elements
         f = jax.checkpoint(lambda *a: _loss(context_attention(*a, strategy)),
                            policy=remat_policy("context"))  # fmt: skip
         saved = saved_elements(f, q, k, v)
-    assert saved.count(q.size) == 1, saved
+    b, s, h, _ = q.shape
+    assert saved.count(q.size) == 1, saved  # the output
+    assert saved.count(b * s * h) == 1, saved  # its log-sum-exp, one per query and head

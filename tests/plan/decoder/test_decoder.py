@@ -448,8 +448,8 @@ def test_vocabulary_tiling_gives_the_untiled_loss_and_holds_a_tile_of_logits(tie
 def test_the_context_policy_saves_the_attention_output_once(attention, saved_elements):
     """Under ``remat='context'`` a layer keeps one copy of the attention's output, in the
     kernel's layout: the kernel names it (splash: with its log-sum-exp, as MaxText does),
-    and the decoder does not name it again in its own layout (a second copy, the size
-    of the layer's input, in every layer)."""
+    and the decoder does not name it again in its own layout (a second copy in every
+    layer)."""
     from nnx_sharding.plan._decoder.model import loss_fn
 
     c = dataclasses.replace(SMALL, head_dim=16, seq_len=128, layers=1, remat="context",
