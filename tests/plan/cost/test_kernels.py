@@ -68,20 +68,30 @@ def test_a_fused_slice_reads_the_slice_and_an_in_place_update_writes_the_update(
     assert found["g"].bytes == activation + 4 + activation  # reads x and i, writes a layer
 
 
+def _relayout_into(computation: str, param: str, shape: str, line: str) -> str:
+    """`SLICED` with ``line`` of ``computation`` reading its parameter ``param`` (of HLO
+    type ``shape``) through a nested fusion that relays it out in place (its result
+    aliased to its operand), as the TPU compiler writes a scanned layer's stack."""
+    relayout = (
+        f"  %r = {shape}{{2,1,0}} fusion(%{param}), kind=kLoop, "
+        "output_to_operand_aliasing={{}: (0, {})}, calls=%relayout\n"
+    )
+    text = SLICED.replace(line, relayout + line.replace(f"(%{param},", "(%r,"))
+    return text.replace(
+        f"%{computation} ({param}",
+        f"%relayout (r0: {shape}) -> {shape} {{\n"
+        f"  ROOT %r0 = {shape}{{2,1,0}} parameter(0)\n}}\n\n%{computation} ({param}",
+    )
+
+
 def test_an_update_through_an_in_place_relayout_writes_the_update():
     """The TPU compiler writes a scan's saved activation into the stack through a nested
     fusion that relays the stack out in place (its result aliased to its operand): the
     fusion still writes one layer's activation and reads none of the stack."""
-    text = SLICED.replace(
+    text = _relayout_into(
+        "update", "q0", "f32[32,8,256]",
         "  ROOT %dus = f32[32,8,256]{2,1,0} dynamic-update-slice(%q0, %u, %q2, %z, %z)",
-        "  %r = f32[32,8,256]{2,1,0} fusion(%q0), kind=kLoop, "
-        "output_to_operand_aliasing={{}: (0, {})}, calls=%relayout\n"
-        "  ROOT %dus = f32[32,8,256]{2,1,0} dynamic-update-slice(%r, %u, %q2, %z, %z)",
-    ).replace(
-        "%update (q0",
-        "%relayout (r0: f32[32,8,256]) -> f32[32,8,256] {\n"
-        "  ROOT %r0 = f32[32,8,256]{2,1,0} parameter(0)\n}\n\n%update (q0",
-    )
+    )  # fmt: skip
     assert text.count("calls=%relayout") == 1  # the pattern is in place
     found = {op.name: op for op in ops(text)}
     activation = 8 * 256 * F32
@@ -92,16 +102,10 @@ def test_a_slice_through_an_in_place_relayout_reads_the_slice():
     """The backward pass reads a layer's saved activation from the stack through the
     same in-place relayout: the fusion reads one layer's slice, not the stack (priced as
     the stack, the 70B at 8,192 tokens predicted 15.14 s a step, not 12.85)."""
-    text = SLICED.replace(
+    text = _relayout_into(
+        "fused", "p0", "f32[32,256,256]",
         "  %ds = f32[1,256,256]{2,1,0} dynamic-slice(%p0, %p1, %z, %z)",
-        "  %r = f32[32,256,256]{2,1,0} fusion(%p0), kind=kLoop, "
-        "output_to_operand_aliasing={{}: (0, {})}, calls=%relayout\n"
-        "  %ds = f32[1,256,256]{2,1,0} dynamic-slice(%r, %p1, %z, %z)",
-    ).replace(
-        "%fused (p0",
-        "%relayout (r0: f32[32,256,256]) -> f32[32,256,256] {\n"
-        "  ROOT %r0 = f32[32,256,256]{2,1,0} parameter(0)\n}\n\n%fused (p0",
-    )
+    )  # fmt: skip
     assert text.count("calls=%relayout") == 1  # the pattern is in place
     found = {op.name: op for op in ops(text)}
     layer, activation = 256 * 256 * F32, 8 * 256 * F32
