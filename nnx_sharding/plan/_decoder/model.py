@@ -224,10 +224,33 @@ class Decoder(nnx.Module):
         return constrain(logits, ("activation_batch", "activation_length", "activation_vocab"))
 
 
+@jax.custom_vjp
 def _nll_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """The summed negative log-likelihood (float32) of ``targets`` under ``logits``."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
-    return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    """The summed negative log-likelihood (float32) of ``targets`` under ``logits``.
+
+    It has a gradient of its own, as MaxText's ``cross_entropy_with_logits`` has: the
+    backward pass keeps ``logits`` as given (bfloat16) and a float32 log-sum-exp a
+    token, and computes the logits' gradient from them in one pass, in their dtype.
+    Differentiated as written, a float32 ``log_softmax`` keeps a float32 softmax, twice
+    the bfloat16 logits' bytes: at a large vocabulary, the largest tensor of a step."""
+    return _nll_forward(logits, targets)[0]
+
+
+def _nll_forward(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, Any]:
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(lse - picked.astype(jnp.float32)), (logits, targets, lse)
+
+
+def _nll_backward(residuals: Any, g: jax.Array) -> tuple[jax.Array, Any]:
+    logits, targets, lse = residuals
+    p = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+    hot = jnp.arange(logits.shape[-1]) == targets[..., None]
+    grad = (g * (p - hot)).astype(logits.dtype)
+    return grad, np.zeros(targets.shape, jax.dtypes.float0)
+
+
+_nll_sum.defvjp(_nll_forward, _nll_backward)
 
 
 def _tiled_nll_sum(model: Decoder, x: jax.Array, targets: jax.Array, tiles: int) -> jax.Array:

@@ -460,3 +460,37 @@ def test_the_context_policy_saves_the_attention_output_once(attention, saved_ele
     out = c.batch * c.seq_len * c.heads * c.head_dim  # not the residual stream's size
     assert c.heads * c.head_dim != c.d_model
     assert saved.count(out) == 1, saved
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_loss_has_log_softmaxs_gradient_and_keeps_no_float32_softmax(dtype, capsys):
+    """The loss's own gradient equals autodiff's through a float32 log-softmax (every
+    parameter's); with bfloat16 logits its backward pass keeps them as they are (and a
+    float32 log-sum-exp a token), where autodiff keeps a float32 tensor of logits."""
+    from nnx_sharding.plan._decoder.model import loss_fn
+
+    c = dataclasses.replace(SMALL, compute_dtype=dtype)
+
+    def reference(model: Decoder, tokens: jax.Array) -> jax.Array:
+        logp = jax.nn.log_softmax(model(tokens[:, :-1]).astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    model = make(c)
+    tokens = jax.random.randint(jax.random.key(0), (c.batch, c.seq_len + 1), 0, c.vocab)
+    (loss, grads), (want, want_grads) = (nnx.jit(nnx.value_and_grad(f))(model, tokens)
+                                         for f in (loss_fn, reference))  # fmt: skip
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(loss, want, rtol=tol)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(jnp.abs(b).max()))
+    if dtype == "float32":
+        return
+    graphdef, state = nnx.split(model)
+    logits = f"[{c.batch},{c.seq_len},{c.vocab}]"
+    for f, kept in [(loss_fn, f"bf16{logits}"), (reference, f"f32{logits}")]:
+        capsys.readouterr()
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda s, t, f=f: f(nnx.merge(graphdef, s), t), state, tokens
+        )
+        saved = capsys.readouterr().out
+        assert kept in saved and (f"f32{logits}" in saved) == (f is reference), saved
