@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ... import _errors
+from .tpu_log import LIBTPU_ARGS
 
 __all__ = [
     "COMPILERS",
@@ -91,14 +92,18 @@ def cuda_library() -> str | None:
 @contextlib.contextmanager
 def tpu_library_env(library: str) -> Iterator[None]:
     """Runs its block with ``TPU_LIBRARY_PATH`` set to ``library`` (jax loads the TPU
-    library from there on a first TPU topology) and ``ALLOW_MULTIPLE_LIBTPU_LOAD`` set
+    library from there on a first TPU topology), ``ALLOW_MULTIPLE_LIBTPU_LOAD`` set
     unless the environment says otherwise (without it, processes planning in parallel
-    fail on libtpu's lock file, ``/tmp/libtpu_lockfile``); both as they were afterwards."""
-    saved = {
-        name: os.environ.get(name) for name in ("TPU_LIBRARY_PATH", "ALLOW_MULTIPLE_LIBTPU_LOAD")
-    }
+    fail on libtpu's lock file, ``/tmp/libtpu_lockfile``), and libtpu's log written as
+    it goes (`tpu_log.LIBTPU_ARGS` added to ``LIBTPU_INIT_ARGS``: the plans read each
+    program's memory from it); all as they were afterwards."""
+    names = ("TPU_LIBRARY_PATH", "ALLOW_MULTIPLE_LIBTPU_LOAD", "LIBTPU_INIT_ARGS")
+    saved = {name: os.environ.get(name) for name in names}
     os.environ["TPU_LIBRARY_PATH"] = library
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    given = os.environ.get("LIBTPU_INIT_ARGS", "")
+    if "logbuflevel" not in given:
+        os.environ["LIBTPU_INIT_ARGS"] = f"{given} {LIBTPU_ARGS}".strip()
     try:
         yield
     finally:

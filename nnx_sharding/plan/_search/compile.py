@@ -23,6 +23,7 @@ from .._cost.model import Memory, Program, Topology
 from .._cost.overlap import hidden
 from .._hardware.devices import mesh_in_order
 from .._hardware.stderr import offset, since
+from .._hardware.tpu_log import mark, program_bytes
 from .._plan import Plan, bind
 from .._step import Step
 from .knobs import BALANCED
@@ -218,6 +219,7 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
     bound = bind(specs, mesh)
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
     start, logged = time.perf_counter(), offset()
+    tpu_logged = mark() if step.compiler == "tpu" else None
     try:
         with jax.set_mesh(mesh):  # the step may constrain its activations to the mesh's axes
             lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
@@ -242,13 +244,22 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
     if stats is None:
         reason = f"{step.compiler} compiler gives no memory_analysis"
         return listed(step, candidate, specs, reason=reason, state_bytes=state)
+    host = int(getattr(stats, "host_temp_size_in_bytes", 0) or 0)
+    program = None
+    if tpu_logged is not None and host > 0:
+        program = program_bytes(tpu_logged, int(stats.argument_size_in_bytes), host)
+        if program is None:
+            notes.append(
+                "libtpu's log gave no memory report for this program: its device "
+                "temporaries are temp_size_in_bytes, which counts their fragmentation twice"
+            )
     memory = Memory(
         state=state,
         arguments=int(stats.argument_size_in_bytes),
         outputs=int(stats.output_size_in_bytes),
         alias=int(stats.alias_size_in_bytes),
-        temp=temporaries(step.compiler, stats),
-        host=int(getattr(stats, "host_temp_size_in_bytes", 0) or 0),
+        temp=temporaries(step.compiler, stats, program),
+        host=host,
     )
     if flops <= 0:  # the GPU compiler gives no cost_analysis: count the matmuls
         flops = dot_flops(text)
@@ -334,7 +345,7 @@ def host_notes(host: int, moved: Sequence[Transfer], step: Step) -> list[str]:
             f"activations), beside the device's peak; {priced}"]  # fmt: skip
 
 
-def temporaries(compiler: str, stats: Any) -> int:
+def temporaries(compiler: str, stats: Any, program: int | None = None) -> int:
     """The step's temporary bytes per device: the compiler's ``temp_size_in_bytes``, or
     on TPUs what its own peak (``peak_memory_in_bytes``) leaves beside the arguments and
     outputs, since there ``temp_size_in_bytes`` counts the temporaries' fragmentation
@@ -344,14 +355,17 @@ def temporaries(compiler: str, stats: Any) -> int:
     published runs"). The GPU compiler's peak equals arguments + outputs - alias + temp
     (checked); the CPU compiler's falls below its own arguments, so neither is read.
     Where the program offloads activations to the host, the TPU compiler's peak counts
-    the host's buffers, so the temporaries are ``temp_size_in_bytes`` there too.
+    the host's buffers: the temporaries are then ``program``, the program's device bytes
+    from libtpu's own report (`tpu_log.program_bytes`), else ``temp_size_in_bytes``.
     """
     temp = int(stats.temp_size_in_bytes)
     peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
     host = int(getattr(stats, "host_temp_size_in_bytes", 0) or 0)
-    # with activations offloaded to the host, the TPU compiler's peak is the arguments
-    # plus the host's buffers (Mixtral-8x22B on v6e-256: 3.42 + 70.0 GiB), not the chip's
-    if compiler != "tpu" or peak <= 0 or host > 0:
+    if compiler == "tpu" and host > 0:
+        # with activations offloaded to the host, the TPU compiler's peak is the arguments
+        # plus the host's buffers (Mixtral-8x22B on v6e-256: 3.42 + 70.0 GiB), not the chip's
+        return temp if program is None else program
+    if compiler != "tpu" or peak <= 0:
         return temp
     rest = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
     return max(peak - int(rest), 0)

@@ -73,18 +73,24 @@ def test_without_the_folder_only_packages_jax_finds_are_used(folder):
     assert plugins.cuda_library() == package_file("jax_plugins.xla_cuda12", "xla_cuda_plugin.so")
 
 
-@pytest.mark.parametrize("allow", [None, "0"])
-def test_the_tpu_library_is_named_only_while_it_loads(monkeypatch, allow):
+@pytest.mark.parametrize(("allow", "args"), [(None, None), ("0", "--xla_foo=1")])
+def test_the_tpu_library_is_named_only_while_it_loads(monkeypatch, allow, args):
+    """While libtpu loads, the planner's library is named, parallel loads allowed and
+    its log written as it goes (the user's flags kept); all as they were afterwards."""
     monkeypatch.setenv("TPU_LIBRARY_PATH", "/the/users.so")
-    if allow is None:
-        monkeypatch.delenv("ALLOW_MULTIPLE_LIBTPU_LOAD", raising=False)
-    else:
-        monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", allow)
+    for name, value in [("ALLOW_MULTIPLE_LIBTPU_LOAD", allow), ("LIBTPU_INIT_ARGS", args)]:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     with plugins.tpu_library_env("/the/planners.so"):
         assert os.environ["TPU_LIBRARY_PATH"] == "/the/planners.so"
         assert os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] == (allow or "1")  # the user's kept
+        assert os.environ["LIBTPU_INIT_ARGS"].split() == [*([args] if args else []),
+                                                         "--logbuflevel=-1"]  # fmt: skip
     assert os.environ["TPU_LIBRARY_PATH"] == "/the/users.so"
     assert os.environ.get("ALLOW_MULTIPLE_LIBTPU_LOAD") == allow
+    assert os.environ.get("LIBTPU_INIT_ARGS") == args
 
 
 def test_the_requirements_are_those_of_the_installed_jax():
