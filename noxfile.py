@@ -1,5 +1,5 @@
 """Developer sessions: `nox -s tests`, `lint`, `typecheck`, `docs`, `bench`, `bench_checkpoint`,
-`fuzz`.
+`fuzz`, `long_runs`.
 
 `nox` alone runs tests, lint and typecheck. `nox -s tests` runs the suite once per
 flax version of `FLAX_VERSIONS`; pick one with e.g. `nox -s "tests(flax='newest')"`.
@@ -47,6 +47,18 @@ def fuzz(session: nox.Session) -> None:
     examples = os.environ.get("NNX_SHARDING_FUZZ_EXAMPLES", "20000")
     env = {"NNX_SHARDING_FUZZ_EXAMPLES": examples}
     session.run("pytest", "tests/test_fuzz.py", *session.posargs, env=env)
+
+
+@nox.session
+def long_runs(session: nox.Session) -> None:
+    """The published offloaded, long-context and Ironwood runs of
+    docs/planning/predictions.md ("Host offload and long context"), planned as they ran
+    and checked: each fits and is predicted within 25 % of its published step
+    (docs/scripts/long_runs.py --check). About 10 minutes on two cores: too slow for the
+    suite."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "nnx_sharding", "compilers", "--install")
+    session.run("python", "docs/scripts/long_runs.py", "all", "--check", *session.posargs)
 
 
 @nox.session

@@ -8,6 +8,7 @@ built-in decoder, and prints the predicted step beside the published one
     python docs/scripts/long_runs.py llama3.1-70b-128k-tpu7x   # 128K, FSDP 64 x context 8
     python docs/scripts/long_runs.py llama3.1-70b-8k-tpu7x     # 8K, FSDP 128
     python docs/scripts/long_runs.py llama3.1-8b-v6e-8 --json out.jsonl --compiler-defaults
+    python docs/scripts/long_runs.py all --check    # every run as published (nox -s long_runs)
 
 Each run: the model's config (`DECODER_CONFIGS`: Llama 3.1 has Llama 3's dimensions),
 its published per-device batch and sequence, its remat as the decoder names it (the
@@ -16,7 +17,10 @@ recipe's ``custom`` placement; ``--remat`` another), its loss's vocabulary tilin
 mesh as an exact candidate, its context strategy, and its recipe's ``LIBTPU_INIT_ARGS``
 as ``compiler_options`` (``--compiler-defaults``: without them); compiled by the TPU
 compiler for compile-only chips. The published step is the one the run's log or its
-recipe's table prints.
+recipe's table prints. With ``--check`` the script fails (exit status 1) unless every
+run it planned fits and is predicted within 25 % of its published step: the check of
+docs/planning/predictions.md's table, too slow for the suite (2 to 4 minutes a run on
+two cores).
 """
 
 from __future__ import annotations
@@ -133,7 +137,7 @@ def plan_run(name: str, flags: bool = True, strategies: list[str] | None = None,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", choices=list(RUNS))
+    parser.add_argument("run", choices=[*RUNS, "all"])
     parser.add_argument("--json", default=None, help="append the results as JSON lines")
     parser.add_argument(
         "--compiler-defaults", action="store_true",
@@ -145,18 +149,34 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--vocab-tiles", type=int, default=None, help="(default: the run's)")
     parser.add_argument("--remat", default=None, help="(default: the run's)")
+    parser.add_argument(
+        "--check", action="store_true",
+        help="exit 1 unless every plan fits and is within 25 %% of the published step",
+    )  # fmt: skip
     args = parser.parse_args()
-    run = RUNS[args.run]
+    failed = []
+    for name in RUNS if args.run == "all" else [args.run]:
+        failed += report(name, args)
+    if args.check and failed:
+        print("outside the check:\n" + "\n".join(failed))
+        raise SystemExit(1)
+
+
+def report(name: str, args: argparse.Namespace) -> list[str]:
+    """Plans run ``name`` as ``args`` say, prints each plan (a JSON line per plan, also
+    appended to ``--json``) and returns what fails the check."""
+    run = RUNS[name]
     start = time.perf_counter()
     strategies = args.strategies.split(",") if args.strategies else None
-    plans = plan_run(args.run, flags=not args.compiler_defaults, strategies=strategies,
+    plans = plan_run(name, flags=not args.compiler_defaults, strategies=strategies,
                      vocab_tiles=args.vocab_tiles, remat=args.remat)  # fmt: skip
     seconds = time.perf_counter() - start
     print(repr(plans))
+    failed = []
     for plan in plans:
         t = plan.time
         row = {
-            "run": args.run,
+            "run": name,
             "source": run["source"],
             "knobs": dict(plan.knobs),
             "vocab_tiles": args.vocab_tiles or run.get("vocab_tiles", 1),
@@ -180,6 +200,9 @@ def main() -> None:
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        if not plan.fits or abs(row["ratio"] - 1) > 0.25:
+            failed.append(f"{name} {dict(plan.knobs)}: fits {plan.fits}, ratio {row['ratio']}")
+    return failed
 
 
 if __name__ == "__main__":
