@@ -7,35 +7,40 @@ program offloads activations to the host, counts the host's buffers instead of t
 chip's. Its own report, which libtpu logs at INFO for every program it compiles, counts
 each once::
 
-    I1129 21:09:10.039874    2412 deepsea_compiler_backend.cc:2171] Total hbm usage >= 29.57G:
-        reserved        260.00M
-        program          18.10G
-        arguments        11.22G
+    I1129 21:09:10.039874    2412 deepsea_compiler_backend.cc:2171] Total hbm usage >= 30.25G:
+        reserved        250.00M
+        program          18.00G
+        arguments        12.00G
 
-    Output size 11.22G; shares 11.22G with arguments.
+    Output size 12.00G; shares 12.00G with arguments.
 
-    Total host usage >= 21.00G:
+    Total host usage >= 20.00G:
         reserved             0B
-        program          21.00G
+        program          20.00G
         arguments            0B
 
 (The offloaded Llama 3.1 recipes on v6e fit by this report and not by
 ``temp_size_in_bytes``: docs/planning/predictions.md, "Host offload and long
-context".) libtpu writes its log to a file of its own per
-process (``$TPU_LOG_DIR``, else ``/tmp/tpu_logs``), buffered unless its ``logbuflevel``
-flag is -1, which the planner sets when it loads libtpu (`LIBTPU_ARGS`). Each report is
-one message, so its lines stay together when two candidates compile at once, but they
-do not say which compile they belong to: a compile's report is the one logged during
-it whose arguments and host bytes are the compile's own (`program_bytes`), and none
-when no report, or more than one, matches.
+context".) libtpu logs it for each program above a trivial size, to a file of its own
+per process (``$TPU_LOG_DIR``, else ``/tmp/tpu_logs``), buffered unless its
+``logbuflevel`` flag is -1, which the planner sets when it loads libtpu (`LIBTPU_ARGS`).
+Each report is one message, so its lines stay together when two candidates compile at
+once, but they name no compile: the thread that logs it is libtpu's, not the caller's.
+So programs that offload compile one at a time (`compiling`), and a compile's report
+is the one logged during it whose arguments and host bytes are the compile's own
+(`program_bytes`); programs that do not offload log no host bytes, so theirs never
+match.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
 import re
+import threading
+from collections.abc import Iterator
 
 LIBTPU_ARGS = "--logbuflevel=-1"
 """libtpu's flag that writes its log as it goes (else its INFO lines wait in a buffer)."""
@@ -71,10 +76,27 @@ def mark() -> Mark:
     return Mark(path, os.path.getsize(path) if path else 0)
 
 
+_OFFLOADING = threading.Lock()  # held by the compile of a program that offloads
+
+
+@contextlib.contextmanager
+def compiling(offloads: bool) -> Iterator[Mark | None]:
+    """Runs its block, a TPU compile, and yields where libtpu's log ended as it began,
+    when the program ``offloads`` activations to the host (else None): then with no
+    other compile of such a program in this process beside it, so that the one report
+    logged meanwhile with the program's host bytes is its own."""
+    if not offloads:
+        yield None
+        return
+    with _OFFLOADING:
+        yield mark()
+
+
 def program_bytes(since: Mark, arguments: int, host: int) -> int | None:
     """The device bytes of the program compiled since ``since`` whose report gives
     ``arguments`` bytes of arguments and ``host`` bytes of host buffers, to the report's
-    precision; None when libtpu logged no such report, or more than one."""
+    precision; None when libtpu logged no such report, or more than one (two programs
+    with the same arguments and host bytes compiled at once: see `compiling`)."""
     path = log_file()
     if path is None:
         return None

@@ -23,7 +23,7 @@ from .._cost.model import Memory, Program, Topology
 from .._cost.overlap import hidden
 from .._hardware.devices import mesh_in_order
 from .._hardware.stderr import offset, since
-from .._hardware.tpu_log import mark, program_bytes
+from .._hardware.tpu_log import compiling, program_bytes
 from .._plan import Plan, bind
 from .._step import Step
 from .knobs import BALANCED
@@ -219,11 +219,13 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
     bound = bind(specs, mesh)
     dynamic = tuple(s for i, s in enumerate(bound) if i not in step.static)
     start, logged = time.perf_counter(), offset()
-    tpu_logged = mark() if step.compiler == "tpu" else None
     try:
         with jax.set_mesh(mesh):  # the step may constrain its activations to the mesh's axes
             lowered = jit(step.fun, in_shardings=dynamic, **step.options).lower(*step.args)
-        compiled = lowered.compile(compiler_options(step.compiler, kernels))
+        # a TPU program that offloads: its device memory is read from libtpu's log
+        offloads = step.compiler == "tpu" and "pinned_host" in lowered.as_text()
+        with compiling(offloads) as tpu_logged:
+            compiled = lowered.compile(compiler_options(step.compiler, kernels))
     except Exception as e:  # noqa: BLE001 - any compiler error is this candidate's reason
         message = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         reason = f"could not be compiled: {message}"
@@ -246,11 +248,12 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         return listed(step, candidate, specs, reason=reason, state_bytes=state)
     host = int(getattr(stats, "host_temp_size_in_bytes", 0) or 0)
     program = None
-    if tpu_logged is not None and host > 0:
-        program = program_bytes(tpu_logged, int(stats.argument_size_in_bytes), host)
+    if step.compiler == "tpu" and host > 0:
+        if tpu_logged is not None:
+            program = program_bytes(tpu_logged, int(stats.argument_size_in_bytes), host)
         if program is None:
             notes.append(
-                "libtpu's log gave no memory report for this program: its device "
+                "libtpu's log gave no single memory report for this program: its device "
                 "temporaries are temp_size_in_bytes, which counts their fragmentation twice"
             )
     memory = Memory(

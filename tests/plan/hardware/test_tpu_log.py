@@ -86,3 +86,29 @@ def test_without_a_log_there_is_no_figure(monkeypatch, tmp_path):
     monkeypatch.setenv("TPU_LOG_DIR", str(tmp_path))
     assert tpu_log.mark() == tpu_log.Mark(None, 0)
     assert tpu_log.program_bytes(tpu_log.mark(), 1, 1) is None
+
+
+def test_programs_that_offload_compile_one_at_a_time(log):
+    """Two compiles of offloading programs never overlap (their reports could not be told
+    apart); the others run beside them and get no mark."""
+    import threading
+    import time
+
+    inside, overlapped = [], []
+
+    def compile_one() -> None:
+        with tpu_log.compiling(True) as start:
+            assert start == tpu_log.mark()
+            overlapped.append(bool(inside))
+            inside.append(1)
+            time.sleep(0.05)
+            inside.pop()
+
+    threads = [threading.Thread(target=compile_one) for _ in range(3)]
+    for t in threads:
+        t.start()
+    with tpu_log.compiling(False) as start:
+        assert start is None
+    for t in threads:
+        t.join()
+    assert overlapped == [False, False, False]
