@@ -3,8 +3,8 @@ split a long sequence over a ``context`` axis, and Ironwood runs, as they ran, w
 built-in decoder, and prints the predicted step beside the published one
 (docs/planning/predictions.md, "Host offload and long context").
 
-    python docs/scripts/long_runs.py llama3.1-8b-v6e-8 --vocab-tiles 4   # offload, FSDP 8
-    python docs/scripts/long_runs.py llama3.1-70b-v6e-32 --vocab-tiles 4 # offload, FSDP 32
+    python docs/scripts/long_runs.py llama3.1-8b-v6e-8         # offload, FSDP 8
+    python docs/scripts/long_runs.py llama3.1-70b-v6e-32       # offload, FSDP 32
     python docs/scripts/long_runs.py llama3.1-70b-128k-tpu7x   # 128K, FSDP 64 x context 8
     python docs/scripts/long_runs.py llama3.1-70b-8k-tpu7x     # 8K, FSDP 128
     python docs/scripts/long_runs.py llama3.1-8b-v6e-8 --json out.jsonl --compiler-defaults
