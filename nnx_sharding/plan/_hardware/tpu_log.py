@@ -4,8 +4,7 @@ counts it when it decides whether the program fits.
 The TPU compiler's ``memory_analysis`` gives the device's temporaries as
 ``temp_size_in_bytes``, which counts their fragmentation twice, and a peak that, once a
 program offloads activations to the host, counts the host's buffers instead of the
-chip's. Its own report, which libtpu logs at INFO for every program it compiles, counts
-each once::
+chip's. Its own report of a compile, which libtpu logs at INFO, counts each once::
 
     I1129 21:09:10.039874    2412 deepsea_compiler_backend.cc:2171] Total hbm usage >= 30.25G:
         reserved        250.00M
