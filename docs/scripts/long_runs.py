@@ -52,6 +52,10 @@ V6E_FLAGS = {
     "xla_latency_hiding_scheduler_rerun": "2",
 }
 
+MAXTEXT_V6E_70B_REMAT = (
+    "custom:decoder_layer_input=offload,query_proj=offload,key_proj=offload,value_proj=offload"
+)
+"""The v6e-32 70B run's placement, as its recipe sets it (the rest rematerialized)."""
 MAXTEXT_128K_REMAT = (
     "custom:decoder_layer_input=device,context=device,query_proj=device,key_proj=device,"
     "value_proj=device,mlpwo=device"
@@ -72,13 +76,13 @@ RUNS = {
         remat="offload_qkv", param_dtype="float32", layout=("fsdp", {"fsdp": 8}),
         flags=V6E_FLAGS, published_step=3.443,
     ),
-    # tpu-recipes training/trillium/Llama3.1-70B-MaxText/v6e-32: the layer input and
-    # q/k/v offloaded (the decoder's offload_qkv also offloads the output projection),
-    # weights in bfloat16; 17.790 s a step
+    # tpu-recipes training/trillium/Llama3.1-70B-MaxText/v6e-32: custom remat, the layer
+    # input and q/k/v offloaded, the rest rematerialized (MaxText's default for a name
+    # the recipe leaves out), weights in bfloat16; 17.790 s a step
     "llama3.1-70b-v6e-32": dict(
         source="tpu-recipes trillium/Llama3.1-70B-MaxText v6e-32 (17.790 s)",
         config="llama3-70b", accelerator="v6e", devices=32, batch=2 * 32, seq=8192,
-        remat="offload_qkv", param_dtype="bfloat16", layout=("fsdp", {"fsdp": 32}),
+        remat=MAXTEXT_V6E_70B_REMAT, param_dtype="bfloat16", layout=("fsdp", {"fsdp": 32}),
         flags=V6E_FLAGS, published_step=17.790,
     ),
     # tpu-recipes training/ironwood (README table): Llama3.1-70B at 131072 tokens on
