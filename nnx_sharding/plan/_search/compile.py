@@ -248,14 +248,13 @@ def compile_candidate(step: Step, candidate: Candidate, kernels: str | None = No
         return listed(step, candidate, specs, reason=reason, state_bytes=state)
     host = int(getattr(stats, "host_temp_size_in_bytes", 0) or 0)
     program = None
-    if step.compiler == "tpu" and host > 0:
-        if tpu_logged is not None:
-            program = program_bytes(tpu_logged, int(stats.argument_size_in_bytes), host)
-        if program is None:
-            notes.append(
-                "libtpu's log gave no single memory report for this program: its device "
-                "temporaries are temp_size_in_bytes, which counts their fragmentation twice"
-            )
+    if tpu_logged is not None and host > 0:
+        program = program_bytes(tpu_logged, int(stats.argument_size_in_bytes), host)
+    if step.compiler == "tpu" and host > 0 and program is None:
+        notes.append(
+            "libtpu's log gave no single memory report for this program: its device "
+            "temporaries are temp_size_in_bytes, which counts their fragmentation twice"
+        )
     memory = Memory(
         state=state,
         arguments=int(stats.argument_size_in_bytes),
@@ -361,14 +360,14 @@ def temporaries(compiler: str, stats: Any, program: int | None = None) -> int:
     the host's buffers: the temporaries are then ``program``, the program's device bytes
     from libtpu's own report (`tpu_log.program_bytes`), else ``temp_size_in_bytes``.
     """
+    if program is not None:
+        return program
     temp = int(stats.temp_size_in_bytes)
     peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
     host = int(getattr(stats, "host_temp_size_in_bytes", 0) or 0)
-    if compiler == "tpu" and host > 0:
-        # with activations offloaded to the host, the TPU compiler's peak is the arguments
-        # plus the host's buffers (Mixtral-8x22B on v6e-256: 3.42 + 70.0 GiB), not the chip's
-        return temp if program is None else program
-    if compiler != "tpu" or peak <= 0:
+    # with activations offloaded to the host, the TPU compiler's peak is the arguments
+    # plus the host's buffers (Mixtral-8x22B on v6e-256: 3.42 + 70.0 GiB), not the chip's
+    if compiler != "tpu" or peak <= 0 or host > 0:
         return temp
     rest = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
     return max(peak - int(rest), 0)
